@@ -1,1 +1,12 @@
+//! tally: vote and likes counting. See ARCHITECTURE.md for the codemap.
 
+pub mod api;
+pub mod auth;
+pub mod bus;
+pub mod cache;
+pub mod cast;
+pub mod cli;
+pub mod counts;
+pub mod domain;
+pub mod store;
+pub mod telemetry;

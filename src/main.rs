@@ -1,1 +1,17 @@
-fn main() {}
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = tally::cli::Cli::parse();
+    tally::telemetry::init(cli.log_format);
+    match tally::cli::run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "tally stopped");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs every test: unit and property tests, then the integration tests
+# against the real local stack (started here if it is not running), and
+# checks that the benches still compile.
+#
+#   scripts/test.sh [extra cargo test args]
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+# A target directory outside the clone, so a fresh clone (CI) reuses builds.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tally-target}
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+scripts/stack.sh up
+
+echo "[test] cargo test"
+cargo test --locked "$@"
+
+echo "[test] benches compile"
+cargo bench --locked --no-run

@@ -1,0 +1,106 @@
+//! The vote API's errors and their HTTP form. Every error is JSON in one
+//! shape: `{"error": {"code": "...", "message": "..."}}`.
+
+use actix_web::http::StatusCode;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::{HttpResponse, ResponseError};
+use serde_json::json;
+
+use crate::auth::AuthError;
+use crate::cast::CastError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{message}")]
+    BadRequest { code: &'static str, message: String },
+    #[error(transparent)]
+    Unauthorized(#[from] AuthError),
+    #[error("only admins may do this")]
+    Forbidden,
+    #[error("no such resource")]
+    NotFound,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("the request body is larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("the request body must be application/json")]
+    UnsupportedMediaType,
+    #[error("this Idempotency-Key was already used for a different request")]
+    KeyReused,
+    #[error("too many concurrent changes to this user's reactions; retry")]
+    Contention,
+    #[error("a dependency is unavailable; nothing was changed, retry with the same Idempotency-Key")]
+    Unavailable(#[source] anyhow::Error),
+}
+
+impl ApiError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError::BadRequest { code, message: message.into() }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { code, .. } => code,
+            ApiError::Unauthorized(_) => "unauthorized",
+            ApiError::Forbidden => "forbidden",
+            ApiError::NotFound => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::TooLarge(_) => "payload_too_large",
+            ApiError::UnsupportedMediaType => "unsupported_media_type",
+            ApiError::KeyReused => "idempotency_key_reused",
+            ApiError::Contention => "contention",
+            ApiError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+impl From<CastError> for ApiError {
+    fn from(e: CastError) -> Self {
+        match e {
+            CastError::KeyReused => ApiError::KeyReused,
+            CastError::Contention => ApiError::Contention,
+            CastError::Unavailable(e) => ApiError::Unavailable(e),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden => StatusCode::FORBIDDEN,
+            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Contention => StatusCode::CONFLICT,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        // The log gets the whole cause chain; the client a clean message.
+        if let ApiError::Unavailable(cause) = self {
+            tracing::warn!(error = format!("{cause:#}"), "answered 503");
+        }
+        let mut res = HttpResponse::build(self.status_code());
+        match self {
+            ApiError::Unauthorized(e) => {
+                let challenge = match e {
+                    AuthError::Missing => r#"Bearer realm="tally""#.to_owned(),
+                    other => format!(r#"Bearer realm="tally", error="invalid_token", error_description="{}""#, other.to_string().replace('"', "'")),
+                };
+                if let Ok(v) = HeaderValue::from_str(&challenge) {
+                    res.insert_header((header::WWW_AUTHENTICATE, v));
+                }
+            }
+            ApiError::Contention | ApiError::Unavailable(_) => {
+                res.insert_header((header::RETRY_AFTER, "1"));
+            }
+            _ => {}
+        }
+        res.json(json!({ "error": { "code": self.code(), "message": self.to_string() } }))
+    }
+}

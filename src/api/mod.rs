@@ -1,0 +1,171 @@
+//! `tally vote`: the HTTP API. Handlers parse into domain types, call
+//! `cast` or `counts`, and map errors to HTTP in `error`.
+
+pub mod error;
+pub mod summary;
+pub mod votes;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::{Next, from_fn};
+use actix_web::{App, HttpMessage, HttpResponse, HttpServer, web};
+use anyhow::Context;
+use tracing::Instrument;
+
+use crate::auth::{AuthConfig, Verifier};
+use crate::bus::KafkaConfig;
+use crate::bus::publisher::Publisher;
+use crate::cache::{Cache, RedisConfig, TtlPolicy};
+use crate::cast::{CastConfig, Caster};
+use crate::counts::Counts;
+use crate::store::{CassandraConfig, Store};
+use error::ApiError;
+
+/// Settings of `tally vote`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ApiConfig {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+
+    /// HTTP worker threads.
+    #[arg(long, env = "TALLY_WORKERS", default_value_t = 2)]
+    pub workers: usize,
+
+    /// How long an Idempotency-Key and its answer are kept.
+    #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub idempotency_ttl: Duration,
+
+    /// How long one attempt to publish a transition may take.
+    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
+    pub publish_timeout: Duration,
+
+    #[command(flatten)]
+    pub auth: AuthConfig,
+    #[command(flatten)]
+    pub cache_ttl: TtlPolicy,
+    #[command(flatten)]
+    pub cassandra: CassandraConfig,
+    #[command(flatten)]
+    pub kafka: KafkaConfig,
+    #[command(flatten)]
+    pub redis: RedisConfig,
+}
+
+pub struct AppState {
+    pub verifier: Verifier,
+    pub caster: Caster,
+    pub counts: Counts,
+    pub store: Arc<Store>,
+}
+
+/// The id of one HTTP request: the caller's `X-Request-Id` if it sent a sane
+/// one, otherwise a new UUID. It is echoed back, logged on every line of the
+/// request, and carried into the Kafka message.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+pub const REQUEST_ID: &str = "x-request-id";
+
+pub struct Application {
+    port: u16,
+    server: Server,
+}
+
+impl Application {
+    /// Connects to every dependency, prepares every statement and binds the
+    /// listener; the server runs once `run_until_stopped` is awaited.
+    pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
+        let verifier = Verifier::from_config(&config.auth)?;
+        let store = Arc::new(Store::open(&config.cassandra, config.idempotency_ttl).await?);
+        let cache = Cache::new(&config.redis, config.cache_ttl.min)?;
+        let counts = Counts::new(cache.clone(), store.clone());
+        let publisher = Publisher::new(&config.kafka, config.publish_timeout)?;
+        let caster = Caster::new(store.clone(), counts.clone(), publisher, CastConfig::default());
+        let state = web::Data::new(AppState { verifier, caster, counts, store });
+
+        tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone()));
+
+        let listener = TcpListener::bind(&config.listen).with_context(|| format!("Failed to listen on {}", config.listen))?;
+        let port = listener.local_addr()?.port();
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .wrap(from_fn(request_id))
+                .service(web::resource("/v1/votes").route(web::post().to(votes::cast)).default_service(web::to(method_not_allowed)))
+                .service(
+                    web::resource("/v1/votes/summary")
+                        .route(web::get().to(summary::summary))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .route("/openapi.json", web::get().to(openapi))
+                .default_service(web::to(not_found))
+        })
+        .workers(config.workers.max(1))
+        .shutdown_timeout(10)
+        .listen(listener)?
+        .run();
+        Ok(Application { port, server })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        self.server.await
+    }
+}
+
+async fn not_found() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NotFound)
+}
+
+async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed)
+}
+
+/// The OpenAPI 3.1 description of this API, kept beside the handlers.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> HttpResponse {
+    HttpResponse::Ok().content_type("application/json").body(OPENAPI)
+}
+
+async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let id = req
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_owned);
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+    let started = std::time::Instant::now();
+    let mut res = next.call(req).instrument(span.clone()).await?;
+    span.in_scope(|| {
+        tracing::info!(status = res.status().as_u16(), elapsed_ms = started.elapsed().as_secs_f64() * 1000.0, "answered");
+    });
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        res.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    Ok(res)
+}
+
+/// Keeps the cache TTL longer than the consumer's lag: an entry must not
+/// expire (and be refilled from durable totals) while they are still behind.
+async fn follow_consumer_lag(cache: Cache, policy: TtlPolicy) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        match cache.consumer_lag().await {
+            Ok(lag) => cache.set_ttl(policy.ttl_for_lag(lag.unwrap_or(0.0))),
+            Err(e) => tracing::debug!(error = %e, "consumer lag unknown; keeping the cache TTL"),
+        }
+    }
+}

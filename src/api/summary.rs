@@ -1,0 +1,87 @@
+//! `GET /v1/votes/summary?target_ids=a,b,c`: counts and the caller's own
+//! state for up to 100 targets in one call.
+
+use std::collections::BTreeMap;
+
+use actix_web::http::header;
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde::Serialize;
+
+use super::AppState;
+use super::error::ApiError;
+use crate::domain::{Reaction, TargetId};
+
+pub const MAX_IDS: usize = 100;
+
+#[derive(Serialize)]
+struct Item {
+    likes: i64,
+    dislikes: i64,
+    user_state: Reaction,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    items: BTreeMap<String, Item>,
+}
+
+pub async fn summary(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let auth = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let caller = state.verifier.verify_header(auth)?;
+    let targets = parse_target_ids(req.query_string())?;
+
+    let (totals, states) = futures::try_join!(
+        async { state.counts.get_many(&targets).await.map_err(|e| ApiError::Unavailable(e.into())) },
+        async { state.store.reactions.states(&caller.user, &targets).await.map_err(|e| ApiError::Unavailable(e.into())) },
+    )?;
+    let items = targets
+        .iter()
+        .zip(totals)
+        .map(|(t, totals)| {
+            let user_state = states.get(t).copied().unwrap_or(Reaction::None);
+            (t.as_str().to_owned(), Item { likes: totals.likes, dislikes: totals.dislikes, user_state })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(Summary { items }))
+}
+
+/// `target_ids` once, comma separated, 1..=100 distinct valid ids after
+/// collapsing duplicates.
+pub fn parse_target_ids(query: &str) -> Result<Vec<TargetId>, ApiError> {
+    let bad = |m: String| ApiError::bad_request("invalid_target_ids", m);
+    let pairs: Vec<(String, String)> =
+        serde_urlencoded::from_str(query).map_err(|e| bad(format!("malformed query string: {e}")))?;
+    let mut lists = pairs.into_iter().filter(|(k, _)| k == "target_ids").map(|(_, v)| v);
+    let list = lists.next().ok_or_else(|| bad("target_ids is required".into()))?;
+    if lists.next().is_some() {
+        return Err(bad("give target_ids once, comma separated".into()));
+    }
+    let mut ids: Vec<TargetId> = Vec::new();
+    for raw in list.split(',') {
+        let id = TargetId::parse(raw).map_err(|e| bad(format!("{raw:?}: {e}")))?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+        if ids.len() > MAX_IDS {
+            return Err(bad(format!("at most {MAX_IDS} distinct target_ids")));
+        }
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_ids_are_parsed_collapsed_and_bounded() {
+        let ids = parse_target_ids("target_ids=a,b,a").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ids.iter().map(TargetId::as_str).collect::<Vec<_>>(), ["a", "b"]);
+        let hundred = (0..100).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
+        assert_eq!(parse_target_ids(&format!("target_ids={hundred}")).map(|v| v.len()).ok(), Some(100));
+        let too_many = (0..101).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
+        for bad in ["", "target_ids=", "target_ids=a,,b", "target_ids=a%20b", "target_ids=a&target_ids=b", "x=1", &format!("target_ids={too_many}")] {
+            assert!(parse_target_ids(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! The only code that speaks Redis: the per-target count cache.
+
+use anyhow::Context;
+use deadpool_redis::{Config, Pool, Runtime};
+
+/// Where Redis is.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RedisConfig {
+    /// Redis URL of the count cache.
+    #[arg(long = "redis-url", env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub url: String,
+
+    /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
+    #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally")]
+    pub prefix: String,
+}
+
+impl RedisConfig {
+    pub fn local(prefix: &str) -> RedisConfig {
+        RedisConfig { url: "redis://127.0.0.1:6379".into(), prefix: prefix.into() }
+    }
+}
+
+pub fn pool(config: &RedisConfig) -> anyhow::Result<Pool> {
+    Config::from_url(&config.url)
+        .create_pool(Some(Runtime::Tokio1))
+        .with_context(|| format!("Bad Redis URL {}", config.url))
+}
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::Script;
+
+use crate::domain::{Delta, TargetId, Totals};
+
+#[derive(Debug, thiserror::Error)]
+#[error("Redis is unavailable: {0}")]
+pub struct CacheError(String);
+
+impl From<redis::RedisError> for CacheError {
+    fn from(e: redis::RedisError) -> Self {
+        CacheError(e.to_string())
+    }
+}
+
+impl From<deadpool_redis::PoolError> for CacheError {
+    fn from(e: deadpool_redis::PoolError) -> Self {
+        CacheError(e.to_string())
+    }
+}
+
+/// Moves an existing entry by a delta; an absent entry stays absent, so a
+/// delta can never become a whole count. Served counts never go below zero.
+const APPLY: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local l = redis.call('HINCRBY', KEYS[1], 'l', ARGV[1])
+local d = redis.call('HINCRBY', KEYS[1], 'd', ARGV[2])
+if l < 0 then redis.call('HSET', KEYS[1], 'l', 0); l = 0 end
+if d < 0 then redis.call('HSET', KEYS[1], 'd', 0); d = 0 end
+return {l, d}
+";
+
+/// Fills a missing entry from the durable totals (with a TTL), then applies a
+/// delta (zero on the read path). An existing entry is never overwritten, so
+/// a stale durable read cannot push a visible count backwards.
+const FILL_THEN_APPLY: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'l', ARGV[1], 'd', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+local l = redis.call('HINCRBY', KEYS[1], 'l', ARGV[4])
+local d = redis.call('HINCRBY', KEYS[1], 'd', ARGV[5])
+if l < 0 then redis.call('HSET', KEYS[1], 'l', 0); l = 0 end
+if d < 0 then redis.call('HSET', KEYS[1], 'd', 0); d = 0 end
+return {l, d}
+";
+
+/// The per-target count cache. Entries expire after a TTL that follows the
+/// consumer's lag (see `set_ttl`), and are not refreshed by deltas, so every
+/// entry is rebuilt from the durable totals at least once per TTL.
+#[derive(Clone)]
+pub struct Cache {
+    pool: Pool,
+    prefix: Arc<str>,
+    apply: Arc<Script>,
+    fill_then_apply: Arc<Script>,
+    ttl_secs: Arc<AtomicU64>,
+}
+
+impl Cache {
+    pub fn new(config: &RedisConfig, ttl: Duration) -> anyhow::Result<Cache> {
+        Ok(Cache {
+            pool: pool(config)?,
+            prefix: config.prefix.as_str().into(),
+            apply: Arc::new(Script::new(APPLY)),
+            fill_then_apply: Arc::new(Script::new(FILL_THEN_APPLY)),
+            ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
+        })
+    }
+
+    fn key(&self, target: &TargetId) -> String {
+        format!("{}:t:{}", self.prefix, target.as_str())
+    }
+
+    /// The key the consumer publishes its lag under, for the TTL policy.
+    pub fn lag_key(&self) -> String {
+        format!("{}:consumer:lag_seconds", self.prefix)
+    }
+
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs.load(Ordering::Relaxed))
+    }
+
+    pub fn set_ttl(&self, ttl: Duration) {
+        self.ttl_secs.store(ttl.as_secs().max(1), Ordering::Relaxed);
+    }
+
+    async fn conn(&self) -> Result<deadpool_redis::Connection, CacheError> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Cached totals for many targets in one round trip; `None` is a miss.
+    pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
+        let mut pipe = redis::pipe();
+        for t in targets {
+            pipe.cmd("HMGET").arg(self.key(t)).arg("l").arg("d");
+        }
+        let rows: Vec<(Option<i64>, Option<i64>)> = pipe.query_async(&mut self.conn().await?).await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| match row {
+                (Some(likes), Some(dislikes)) => Some(Totals { likes, dislikes }),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Applies a delta to an existing entry; returns the new totals, or
+    /// `None` when there is no entry.
+    pub async fn apply(&self, target: &TargetId, delta: Delta) -> Result<Option<Totals>, CacheError> {
+        let r: Option<(i64, i64)> = self
+            .apply
+            .key(self.key(target))
+            .arg(delta.likes)
+            .arg(delta.dislikes)
+            .invoke_async(&mut self.conn().await?)
+            .await?;
+        Ok(r.map(|(likes, dislikes)| Totals { likes, dislikes }))
+    }
+
+    /// Fills a missing entry from `durable`, then applies `delta`.
+    pub async fn fill_then_apply(&self, target: &TargetId, durable: Totals, delta: Delta) -> Result<Totals, CacheError> {
+        let (likes, dislikes): (i64, i64) = self
+            .fill_then_apply
+            .key(self.key(target))
+            .arg(durable.likes)
+            .arg(durable.dislikes)
+            .arg(self.ttl().as_secs())
+            .arg(delta.likes)
+            .arg(delta.dislikes)
+            .invoke_async(&mut self.conn().await?)
+            .await?;
+        Ok(Totals { likes, dislikes })
+    }
+
+    /// Drops a target's entry, so the next read refills it from the durable totals.
+    pub async fn invalidate(&self, target: &TargetId) -> Result<(), CacheError> {
+        let () = redis::cmd("DEL").arg(self.key(target)).query_async(&mut self.conn().await?).await?;
+        Ok(())
+    }
+
+    /// The consumer's last published lag, in seconds.
+    pub async fn consumer_lag(&self) -> Result<Option<f64>, CacheError> {
+        let v: Option<f64> = redis::cmd("GET").arg(self.lag_key()).query_async(&mut self.conn().await?).await?;
+        Ok(v)
+    }
+
+    pub async fn publish_lag(&self, seconds: f64, valid_for: Duration) -> Result<(), CacheError> {
+        let () = redis::cmd("SET")
+            .arg(self.lag_key())
+            .arg(seconds)
+            .arg("EX")
+            .arg(valid_for.as_secs().max(1))
+            .query_async(&mut self.conn().await?)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn ping(&self) -> Result<(), CacheError> {
+        let _: String = redis::cmd("PING").query_async(&mut self.conn().await?).await?;
+        Ok(())
+    }
+}
+
+/// How long cache entries live: longer than the worst consumer lag we accept,
+/// so an entry never expires while the durable totals are still behind it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TtlPolicy {
+    /// Shortest cache TTL, used while the consumer keeps up.
+    #[arg(long = "cache-ttl-min", env = "TALLY_CACHE_TTL_MIN", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub min: Duration,
+
+    /// Longest cache TTL, however far the consumer falls behind.
+    #[arg(long = "cache-ttl-max", env = "TALLY_CACHE_TTL_MAX", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub max: Duration,
+}
+
+impl TtlPolicy {
+    /// Twice the observed lag plus a margin, within [min, max].
+    pub fn ttl_for_lag(&self, lag_seconds: f64) -> Duration {
+        let wanted = Duration::from_secs_f64((lag_seconds.max(0.0) * 2.0 + 10.0).min(1e9));
+        wanted.clamp(self.min, self.max.max(self.min))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ttl_follows_lag_within_bounds() {
+        let p = TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) };
+        assert_eq!(p.ttl_for_lag(0.0), Duration::from_secs(60));
+        assert_eq!(p.ttl_for_lag(100.0), Duration::from_secs(210));
+        assert_eq!(p.ttl_for_lag(1e7), Duration::from_secs(3600));
+        assert_eq!(p.ttl_for_lag(f64::NAN.max(0.0)), Duration::from_secs(60));
+    }
+}

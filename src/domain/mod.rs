@@ -1,0 +1,10 @@
+//! The pure core: ids, reactions, deltas, the apply rule and the transition
+//! event. Nothing here does I/O, so all of it is unit- and property-tested.
+
+pub mod ids;
+pub mod reaction;
+pub mod transition;
+
+pub use ids::{IdError, IdempotencyKey, TargetId, TargetType, UserId};
+pub use reaction::{Applied, Delta, Outcome, Reaction, Totals, apply};
+pub use transition::{InvalidTransition, Transition, now_rfc3339};

@@ -1,0 +1,206 @@
+//! `tally migrate`: creates the keyspace and applies the numbered CQL files in
+//! `migrations/` that are not yet recorded in `schema_migrations`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use anyhow::{Context, bail};
+use futures::TryStreamExt;
+use scylla::client::session::Session;
+use sha2::{Digest, Sha256};
+
+/// One numbered migration, compiled into the binary so `tally migrate` needs
+/// nothing beside it.
+pub struct Migration {
+    pub id: &'static str,
+    pub cql: &'static str,
+}
+
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { id: "0001_reactions", cql: include_str!("../../migrations/0001_reactions.cql") },
+    Migration { id: "0002_target_stats", cql: include_str!("../../migrations/0002_target_stats.cql") },
+];
+
+/// Keyspace replication: `simple:N` (SimpleStrategy, for one local node) or
+/// `DC:N[,DC:N...]` (NetworkTopologyStrategy, for production).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replication {
+    Simple(u32),
+    NetworkTopology(Vec<(String, u32)>),
+}
+
+impl FromStr for Replication {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let factor = |n: &str| -> Result<u32, String> {
+            match n.parse::<u32>() {
+                Ok(f) if (1..=9).contains(&f) => Ok(f),
+                _ => Err(format!("replication factor must be 1 to 9, not {n:?}")),
+            }
+        };
+        if let Some(n) = s.strip_prefix("simple:") {
+            return Ok(Replication::Simple(factor(n)?));
+        }
+        let mut dcs = Vec::new();
+        for part in s.split(',') {
+            let (dc, n) = part.split_once(':').ok_or_else(|| format!("expected simple:N or DC:N[,DC:N], not {s:?}"))?;
+            if dc.is_empty() || !dc.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+                return Err(format!("bad datacenter name {dc:?}"));
+            }
+            dcs.push((dc.to_owned(), factor(n)?));
+        }
+        Ok(Replication::NetworkTopology(dcs))
+    }
+}
+
+impl fmt::Display for Replication {
+    /// The CQL replication map.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Replication::Simple(n) => write!(f, "{{'class': 'SimpleStrategy', 'replication_factor': {n}}}"),
+            Replication::NetworkTopology(dcs) => {
+                write!(f, "{{'class': 'NetworkTopologyStrategy'")?;
+                for (dc, n) in dcs {
+                    write!(f, ", '{dc}': {n}")?;
+                }
+                write!(f, "}}")
+            }
+        }
+    }
+}
+
+/// Keyspace names are spliced into DDL, so only CQL's unquoted identifiers
+/// are accepted.
+pub fn check_keyspace_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok { Ok(()) } else { Err(format!("keyspace must match [a-z][a-z0-9_]{{0,47}}, not {name:?}")) }
+}
+
+/// The statements of one migration file: `--` comments removed, split on `;`.
+pub fn statements(cql: &str) -> Vec<String> {
+    let without_comments: String =
+        cql.lines().map(|l| l.split_once("--").map_or(l, |(code, _)| code)).collect::<Vec<_>>().join("\n");
+    without_comments.split(';').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+}
+
+fn checksum(cql: &str) -> String {
+    hex::encode(Sha256::digest(cql.as_bytes()))
+}
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub applied: Vec<&'static str>,
+    pub already: Vec<&'static str>,
+}
+
+/// Creates the keyspace if needed and applies pending migrations in order,
+/// waiting for schema agreement after every DDL statement so the next one
+/// (or the first prepared statement) sees it on every node.
+pub async fn run(session: &Session, keyspace: &str, replication: &Replication) -> anyhow::Result<Report> {
+    check_keyspace_name(keyspace).map_err(anyhow::Error::msg)?;
+    ddl(session, &format!("CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication}")).await?;
+    session.use_keyspace(keyspace, false).await.context("Failed to use the keyspace")?;
+    ddl(
+        session,
+        "CREATE TABLE IF NOT EXISTS schema_migrations (id text PRIMARY KEY, checksum text, applied_at timestamp)",
+    )
+    .await?;
+
+    let recorded: Vec<(String, String)> = session
+        .query_iter("SELECT id, checksum FROM schema_migrations", ())
+        .await
+        .context("Failed to read schema_migrations")?
+        .rows_stream::<(String, String)>()
+        .context("schema_migrations has unexpected columns")?
+        .try_collect()
+        .await
+        .context("Failed to read schema_migrations")?;
+
+    let mut report = Report::default();
+    for m in MIGRATIONS {
+        match recorded.iter().find(|(id, _)| id == m.id) {
+            Some((_, sum)) if *sum == checksum(m.cql) => report.already.push(m.id),
+            Some(_) => bail!("migration {} was changed after it was applied; add a new migration instead", m.id),
+            None => {
+                for stmt in statements(m.cql) {
+                    ddl(session, &stmt).await.with_context(|| format!("migration {} failed", m.id))?;
+                }
+                session
+                    .query_unpaged(
+                        "INSERT INTO schema_migrations (id, checksum, applied_at) VALUES (?, ?, toTimestamp(now()))",
+                        (m.id, checksum(m.cql)),
+                    )
+                    .await
+                    .with_context(|| format!("Failed to record migration {}", m.id))?;
+                tracing::info!(migration = m.id, "applied");
+                report.applied.push(m.id);
+            }
+        }
+    }
+    Ok(report)
+}
+
+async fn ddl(session: &Session, stmt: &str) -> anyhow::Result<()> {
+    session.query_unpaged(stmt, ()).await.with_context(|| format!("Failed to run {stmt}"))?;
+    session.await_schema_agreement().await.context("Schema agreement was not reached")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replication_parses_both_strategies() {
+        assert_eq!("simple:1".parse(), Ok(Replication::Simple(1)));
+        assert_eq!(
+            "dc1:3,dc2:2".parse(),
+            Ok(Replication::NetworkTopology(vec![("dc1".into(), 3), ("dc2".into(), 2)]))
+        );
+        assert_eq!(
+            Replication::NetworkTopology(vec![("dc1".into(), 3)]).to_string(),
+            "{'class': 'NetworkTopologyStrategy', 'dc1': 3}"
+        );
+        for bad in ["", "simple:0", "simple:x", "dc1", "dc 1:3", "dc1:3,"] {
+            assert!(bad.parse::<Replication>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn keyspace_names_are_plain_identifiers() {
+        assert!(check_keyspace_name("tally").is_ok());
+        assert!(check_keyspace_name("t_0a1b").is_ok());
+        for bad in ["", "Tally", "1x", "a-b", "x; DROP KEYSPACE y", &"k".repeat(49)] {
+            assert!(check_keyspace_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_migration_splits_into_create_statements() {
+        for m in MIGRATIONS {
+            let stmts = statements(m.cql);
+            assert!(!stmts.is_empty(), "{} has no statements", m.id);
+            for s in stmts {
+                assert!(s.starts_with("CREATE ") || s.starts_with("ALTER "), "{}: {s}", m.id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod schema_file {
+    use super::*;
+
+    /// `schema/tally.cql` is for people to read; it must say what the
+    /// migrations do, statement for statement.
+    #[test]
+    fn the_schema_file_equals_the_migrations_in_order() {
+        let schema = statements(include_str!("../../schema/tally.cql"));
+        let migrations: Vec<String> = MIGRATIONS.iter().flat_map(|m| statements(m.cql)).collect();
+        assert_eq!(schema, migrations, "regenerate schema/tally.cql from migrations/");
+    }
+}

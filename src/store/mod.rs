@@ -1,0 +1,120 @@
+//! The only code that speaks CQL. Every statement is prepared once, when a
+//! `Store` is built, with its consistency chosen here:
+//! LOCAL_QUORUM for reads and writes, LOCAL_SERIAL for conditions.
+
+pub mod migrate;
+pub mod reactions;
+pub mod stats;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use scylla::client::execution_profile::ExecutionProfile;
+use scylla::client::session::Session;
+use scylla::client::session_builder::SessionBuilder;
+use scylla::policies::load_balancing::DefaultPolicy;
+use scylla::statement::{Consistency, SerialConsistency};
+
+/// Where Cassandra is and how to talk to it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CassandraConfig {
+    /// Cassandra contact points, host:port, comma separated.
+    #[arg(long = "cassandra-nodes", env = "TALLY_CASSANDRA_NODES", value_delimiter = ',', default_value = "127.0.0.1:9042")]
+    pub nodes: Vec<String>,
+
+    /// Keyspace holding tally's tables.
+    #[arg(long, env = "TALLY_KEYSPACE", default_value = "tally", value_parser = parse_keyspace)]
+    pub keyspace: String,
+
+    /// Prefer coordinators in this datacenter (LOCAL_* consistency is relative to it).
+    #[arg(long = "cassandra-local-dc", env = "TALLY_CASSANDRA_LOCAL_DC")]
+    pub local_dc: Option<String>,
+
+    /// Client-side timeout for one CQL request, in milliseconds.
+    #[arg(long = "cassandra-timeout-ms", env = "TALLY_CASSANDRA_TIMEOUT_MS", default_value_t = 5000)]
+    pub request_timeout_ms: u64,
+}
+
+fn parse_keyspace(s: &str) -> Result<String, String> {
+    migrate::check_keyspace_name(s).map(|()| s.to_owned())
+}
+
+impl CassandraConfig {
+    pub fn local(keyspace: &str) -> CassandraConfig {
+        CassandraConfig {
+            nodes: vec!["127.0.0.1:9042".into()],
+            keyspace: keyspace.into(),
+            local_dc: None,
+            request_timeout_ms: 5000,
+        }
+    }
+}
+
+/// Opens a session (no keyspace selected). Statements that need other levels
+/// set them on the prepared statement itself.
+pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
+    let mut policy = DefaultPolicy::builder().token_aware(true);
+    if let Some(dc) = &config.local_dc {
+        policy = policy.prefer_datacenter(dc.clone()).permit_dc_failover(false);
+    }
+    let profile = ExecutionProfile::builder()
+        .consistency(Consistency::LocalQuorum)
+        .serial_consistency(Some(SerialConsistency::LocalSerial))
+        .request_timeout(Some(Duration::from_millis(config.request_timeout_ms)))
+        .load_balancing_policy(policy.build())
+        .build();
+    SessionBuilder::new()
+        .known_nodes(&config.nodes)
+        .default_execution_profile_handle(profile.into_handle())
+        .build()
+        .await
+        .with_context(|| format!("Failed to connect to Cassandra at {}", config.nodes.join(",")))
+}
+
+/// Opens a session on the configured keyspace.
+pub async fn connect_keyspace(config: &CassandraConfig) -> anyhow::Result<Session> {
+    let session = connect(config).await?;
+    session
+        .use_keyspace(&config.keyspace, false)
+        .await
+        .with_context(|| format!("Keyspace {} is not usable; has `tally migrate` run?", config.keyspace))?;
+    Ok(session)
+}
+
+/// Reads `[applied]` from the result of a conditional statement or batch.
+/// Cassandra returns only `[applied]` when the condition held, but the
+/// current values of the conditioned rows (a varying set of columns) when it
+/// did not, so the row is read untyped and only its first column is used.
+pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyhow::Result<bool> {
+    let rows = result.into_rows_result().context("A conditional statement returned no rows")?;
+    match rows.column_specs().get_by_index(0) {
+        Some(spec) if spec.name() == "[applied]" => {}
+        _ => anyhow::bail!("A conditional statement returned no [applied] column"),
+    }
+    let first = rows
+        .maybe_first_row::<scylla::value::Row>()
+        .context("Failed to read [applied]")?
+        .and_then(|row| row.columns.into_iter().next().flatten())
+        .and_then(|v| v.as_boolean());
+    first.context("[applied] was not a boolean")
+}
+
+/// Every prepared statement tally uses, over one session.
+pub struct Store {
+    pub reactions: reactions::Reactions,
+    pub stats: stats::Stats,
+}
+
+impl Store {
+    /// Connects to the keyspace and prepares every statement once.
+    /// `key_ttl` is how long idempotency keys are kept.
+    pub async fn open(config: &CassandraConfig, key_ttl: Duration) -> anyhow::Result<Store> {
+        let session = Arc::new(connect_keyspace(config).await?);
+        let ttl = i32::try_from(key_ttl.as_secs()).unwrap_or(i32::MAX).max(1);
+        Ok(Store {
+            reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
+            stats: stats::Stats::prepare(session).await?,
+        })
+    }
+}

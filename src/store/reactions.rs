@@ -1,0 +1,279 @@
+//! The `reactions` table: each user's current reaction per target (the
+//! source of truth) and, in the same partition, the user's idempotency
+//! records, so a change and the key that names it commit together.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use futures::TryStreamExt;
+use scylla::client::session::Session;
+use scylla::errors::{DbError, ExecutionError, RequestAttemptError};
+use scylla::statement::batch::{Batch, BatchType};
+use scylla::statement::prepared::PreparedStatement;
+use scylla::statement::{Consistency, SerialConsistency};
+use scylla::value::CqlTimestamp;
+use uuid::Uuid;
+
+use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
+
+/// Clustering values of idempotency rows start with this; target ids cannot.
+const KEY_MARKER: char = '#';
+
+fn key_row(key: &IdempotencyKey) -> String {
+    format!("{KEY_MARKER}{}", key.as_str())
+}
+
+/// A user's current reaction to a target, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Current {
+    pub state: Reaction,
+    pub version: i64,
+}
+
+/// What an idempotency key recorded: which request it was (hash), which
+/// attempt wrote it (owner), and the response to give every repeat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRecord {
+    pub request_hash: String,
+    pub owner: Uuid,
+    pub status: u16,
+    pub body: String,
+}
+
+/// The rows a vote needs, read together from the user's partition.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub current: Option<Current>,
+    pub record: Option<KeyRecord>,
+}
+
+/// The change a vote commits.
+pub struct Change<'a> {
+    pub user: &'a UserId,
+    pub target: &'a TargetId,
+    pub target_type: TargetType,
+    /// The version the change is conditioned on; `None` for a first reaction.
+    pub expected: Option<i64>,
+    pub to: Reaction,
+    pub key: &'a IdempotencyKey,
+    pub record: &'a KeyRecord,
+}
+
+/// The result of a conditional write.
+#[derive(Debug)]
+pub enum Cas {
+    Applied,
+    /// A condition failed: another request changed the row or used the key.
+    NotApplied,
+    /// The request may or may not have been applied (a CAS timeout, a lost
+    /// connection). Only a SERIAL read can tell.
+    Unknown(anyhow::Error),
+    /// It certainly did not run (no replica could take it).
+    Failed(anyhow::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("Cassandra is unavailable: {0:#}")]
+pub struct Unavailable(#[source] pub anyhow::Error);
+
+pub struct Reactions {
+    session: Arc<Session>,
+    snapshot: PreparedStatement,
+    snapshot_serial: PreparedStatement,
+    states: PreparedStatement,
+    first_change: Batch,
+    next_change: Batch,
+    record_only: PreparedStatement,
+    key_ttl_secs: i32,
+}
+
+impl Reactions {
+    pub async fn prepare(session: Arc<Session>, key_ttl_secs: i32) -> anyhow::Result<Reactions> {
+        const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, response_status, response_body \
+             FROM reactions WHERE user_id = ? AND target_id IN (?, ?)";
+        let snapshot = session.prepare(SNAPSHOT).await.context("prepare snapshot")?;
+        // The same read at SERIAL: it sees (and completes) any in-flight
+        // Paxos round, which is how an unknown outcome becomes a known one.
+        let mut snapshot_serial = session.prepare(SNAPSHOT).await.context("prepare serial snapshot")?;
+        snapshot_serial.set_consistency(Consistency::LocalSerial);
+
+        let states = session
+            .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
+            .await
+            .context("prepare states")?;
+
+        let insert_first = session
+            .prepare(
+                "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
+                 VALUES (?, ?, ?, ?, 1, ?) IF NOT EXISTS",
+            )
+            .await
+            .context("prepare first reaction")?;
+        let update_next = session
+            .prepare(
+                "UPDATE reactions SET target_type = ?, state = ?, version = ?, updated_at = ? \
+                 WHERE user_id = ? AND target_id = ? IF version = ?",
+            )
+            .await
+            .context("prepare next reaction")?;
+        let record_only = session
+            .prepare(
+                "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, response_status, response_body) \
+                 VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+            )
+            .await
+            .context("prepare idempotency record")?;
+
+        // One partition, one table: Cassandra runs the whole batch as one
+        // Paxos round, so the change and its key land together or not at all.
+        let batch = |change: &PreparedStatement| {
+            let mut b = Batch::new(BatchType::Unlogged);
+            b.append_statement(change.clone());
+            b.append_statement(record_only.clone());
+            b.set_consistency(Consistency::LocalQuorum);
+            b.set_serial_consistency(Some(SerialConsistency::LocalSerial));
+            b
+        };
+        Ok(Reactions {
+            first_change: batch(&insert_first),
+            next_change: batch(&update_next),
+            session,
+            snapshot,
+            snapshot_serial,
+            states,
+            record_only,
+            key_ttl_secs,
+        })
+    }
+
+    /// Reads the user's row for the target and the key's record, at
+    /// LOCAL_QUORUM, or LOCAL_SERIAL when `serial`.
+    pub async fn snapshot(
+        &self,
+        user: &UserId,
+        target: &TargetId,
+        key: &IdempotencyKey,
+        serial: bool,
+    ) -> Result<Snapshot, Unavailable> {
+        let stmt = if serial { &self.snapshot_serial } else { &self.snapshot };
+        let key_row = key_row(key);
+        type Row = (String, Option<String>, Option<i64>, Option<String>, Option<Uuid>, Option<i32>, Option<String>);
+        let result = self
+            .session
+            .execute_unpaged(stmt, (user.as_str(), target.as_str(), key_row.as_str()))
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        let rows = result.into_rows_result().map_err(|e| Unavailable(e.into()))?;
+        let mut snap = Snapshot::default();
+        for row in rows.rows::<Row>().map_err(|e| Unavailable(e.into()))? {
+            let (clustering, state, version, hash, owner, status, body) = row.map_err(|e| Unavailable(e.into()))?;
+            if clustering == key_row {
+                if let (Some(request_hash), Some(owner), Some(status), Some(body)) = (hash, owner, status, body) {
+                    let status = u16::try_from(status).unwrap_or(200);
+                    snap.record = Some(KeyRecord { request_hash, owner, status, body });
+                }
+            } else if let (Some(state), Some(version)) = (state, version) {
+                let state = state.parse().map_err(|e: crate::domain::reaction::UnknownReaction| Unavailable(e.into()))?;
+                snap.current = Some(Current { state, version });
+            }
+        }
+        Ok(snap)
+    }
+
+    /// Writes the change and its key record in one conditional batch.
+    pub async fn commit(&self, change: &Change<'_>) -> Cas {
+        let now = CqlTimestamp(now_millis());
+        let (user, target) = (change.user.as_str(), change.target.as_str());
+        let key_row = key_row(change.key);
+        let r = change.record;
+        let record = (user, key_row.as_str(), r.request_hash.as_str(), r.owner, i32::from(r.status), r.body.as_str(), self.key_ttl_secs);
+        let result = match change.expected {
+            None => {
+                let first = (user, target, change.target_type.as_str(), change.to.as_str(), now);
+                self.session.batch(&self.first_change, (first, record)).await
+            }
+            Some(version) => {
+                let next = (change.target_type.as_str(), change.to.as_str(), version + 1, now, user, target, version);
+                self.session.batch(&self.next_change, (next, record)).await
+            }
+        };
+        classify(result)
+    }
+
+    /// Records a key whose request changed nothing (the user already had
+    /// that state), so its retries get the same answer.
+    pub async fn record(&self, user: &UserId, key: &IdempotencyKey, record: &KeyRecord) -> Cas {
+        let key_row = key_row(key);
+        let values = (
+            user.as_str(),
+            key_row.as_str(),
+            record.request_hash.as_str(),
+            record.owner,
+            i32::from(record.status),
+            record.body.as_str(),
+            self.key_ttl_secs,
+        );
+        classify(self.session.execute_unpaged(&self.record_only, values).await)
+    }
+
+    /// The caller's state for each target (absent targets are `None`): one
+    /// single-partition query.
+    pub async fn states(&self, user: &UserId, targets: &[TargetId]) -> Result<HashMap<TargetId, Reaction>, Unavailable> {
+        let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
+        let rows: Vec<(String, Option<String>)> = self
+            .session
+            .execute_iter(self.states.clone(), (user.as_str(), ids))
+            .await
+            .map_err(|e| Unavailable(e.into()))?
+            .rows_stream::<(String, Option<String>)>()
+            .map_err(|e| Unavailable(e.into()))?
+            .try_collect()
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        let mut out = HashMap::new();
+        for (target, state) in rows {
+            if let (Ok(target), Some(Ok(state))) = (TargetId::parse(&target), state.map(|s| s.parse::<Reaction>())) {
+                out.insert(target, state);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn now_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Sorts the result of a conditional write into applied, not applied, failed
+/// before it ran, or unknown. Anything not known to have failed before
+/// reaching Paxos is unknown: guessing "not applied" could lose a vote, and
+/// guessing "applied" could publish a transition that never happened.
+fn classify(result: Result<scylla::response::query_result::QueryResult, ExecutionError>) -> Cas {
+    match result {
+        Ok(r) => match super::was_applied(r) {
+            Ok(true) => Cas::Applied,
+            Ok(false) => Cas::NotApplied,
+            Err(e) => Cas::Unknown(e),
+        },
+        Err(e) => {
+            let certainly_not_run = match &e {
+                ExecutionError::EmptyPlan | ExecutionError::ConnectionPoolError(_) | ExecutionError::BadQuery(_) => true,
+                ExecutionError::PrepareError(_) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::DbError(db, _)) => matches!(
+                    db,
+                    DbError::Unavailable { .. } | DbError::Overloaded | DbError::IsBootstrapping | DbError::Invalid
+                        | DbError::SyntaxError | DbError::Unprepared { .. }
+                ),
+                ExecutionError::LastAttemptError(RequestAttemptError::SerializationError(_)) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::CqlRequestSerialization(_)) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::UnableToAllocStreamId) => true,
+                _ => false,
+            };
+            if certainly_not_run { Cas::Failed(e.into()) } else { Cas::Unknown(e.into()) }
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! Integration tests against the real local stack (scripts/stack.sh up).
+//! One binary for all of them, so the heavy crates link once.
+
+mod smoke;
+mod support;
