@@ -2,4 +2,6 @@
 //! One binary for all of them, so the heavy crates link once.
 
 mod smoke;
+mod rejections;
 mod support;
+mod votes;

@@ -88,3 +88,164 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+pub const JWT_SECRET: &str = "integration-test-secret";
+
+/// The vote API running in-process on a free port, over a `TestEnv`.
+pub struct TestApp {
+    pub address: String,
+    pub client: reqwest::Client,
+}
+
+impl TestEnv {
+    pub fn api_config(&self) -> tally::api::ApiConfig {
+        tally::api::ApiConfig {
+            listen: "127.0.0.1:0".into(),
+            workers: 2,
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            publish_timeout: Duration::from_secs(5),
+            auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
+            cache_ttl: tally::cache::TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) },
+            cassandra: self.cassandra.clone(),
+            kafka: self.kafka.clone(),
+            redis: self.redis.clone(),
+        }
+    }
+
+    pub async fn spawn_app(&self) -> TestApp {
+        let app = tally::api::Application::build(self.api_config()).await.unwrap_or_else(|e| panic!("app: {e:#}"));
+        let address = format!("http://127.0.0.1:{}", app.port());
+        tokio::spawn(app.run_until_stopped());
+        TestApp { address, client: reqwest::Client::new() }
+    }
+
+    /// How many messages the transitions topic holds (sum of high
+    /// watermarks). The API answers only after Kafka acknowledged, so once a
+    /// response is in, this count is final: no waiting needed to see that
+    /// nothing was published.
+    pub fn published(&self) -> i64 {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let consumer: BaseConsumer = self.kafka.client().create().unwrap_or_else(|e| panic!("{e}"));
+        (0..TEST_PARTITIONS)
+            .map(|p| {
+                let (_, high) = consumer
+                    .fetch_watermarks(&self.kafka.topic, p, Duration::from_secs(10))
+                    .unwrap_or_else(|e| panic!("watermarks: {e}"));
+                high
+            })
+            .sum()
+    }
+
+    /// Every transition on the topic, in partition order.
+    pub async fn transitions(&self) -> Vec<tally::domain::Transition> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::{Message, Offset, TopicPartitionList};
+        let expected = self.published();
+        let consumer: BaseConsumer = self
+            .kafka
+            .client()
+            .set("group.id", format!("{}-reader-{}", self.group, uuid::Uuid::new_v4().simple()))
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..TEST_PARTITIONS {
+            tpl.add_partition_offset(&self.kafka.topic, p, Offset::Beginning).unwrap_or_else(|e| panic!("{e}"));
+        }
+        consumer.assign(&tpl).unwrap_or_else(|e| panic!("{e}"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut out = Vec::new();
+        while (out.len() as i64) < expected {
+            assert!(std::time::Instant::now() < deadline, "read {} of {expected} transitions", out.len());
+            if let Some(msg) = consumer.poll(Duration::from_millis(200)) {
+                let msg = msg.unwrap_or_else(|e| panic!("{e}"));
+                let t = tally::domain::Transition::from_json(msg.payload().unwrap_or_default())
+                    .unwrap_or_else(|e| panic!("bad event on the topic: {e}"));
+                out.push(t);
+            }
+        }
+        out
+    }
+
+    /// The user's reaction row: (state, version), if any.
+    pub async fn reaction(&self, user: &str, target: &str) -> Option<(String, i64)> {
+        self.session
+            .query_unpaged("SELECT state, version FROM reactions WHERE user_id = ? AND target_id = ?", (user, target))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_rows_result()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .maybe_first_row::<(String, i64)>()
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// How many rows (reactions and idempotency records) the user has.
+    pub async fn rows_of(&self, user: &str) -> i64 {
+        let (n,): (i64,) = self
+            .session
+            .query_unpaged("SELECT count(*) FROM reactions WHERE user_id = ?", (user,))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_rows_result()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .single_row()
+            .unwrap_or_else(|e| panic!("{e}"));
+        n
+    }
+}
+
+pub fn token(sub: &str) -> String {
+    tally::auth::mint(&tally::auth::AuthConfig::hs256(JWT_SECRET), sub, Duration::from_secs(3600), vec![])
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    /// The error code of a JSON error body.
+    pub fn code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap_or_else(|| panic!("not an error body: {}", self.body)).to_owned()
+    }
+}
+
+impl TestApp {
+    pub async fn send(&self, req: reqwest::RequestBuilder) -> Reply {
+        let res = req.send().await.unwrap_or_else(|e| panic!("request failed: {e}"));
+        let status = res.status().as_u16();
+        let headers = res.headers().clone();
+        let body = res.text().await.unwrap_or_else(|e| panic!("{e}"));
+        Reply { status, headers, body }
+    }
+
+    /// POST /v1/votes as `user` with `key`.
+    pub async fn vote(&self, user: &str, key: impl AsRef<str>, target: &str, action: &str) -> Reply {
+        let body = serde_json::json!({"target_id": target, "target_type": "video", "action": action});
+        self.send(
+            self.client
+                .post(format!("{}/v1/votes", self.address))
+                .bearer_auth(token(user))
+                .header("Idempotency-Key", key.as_ref())
+                .json(&body),
+        )
+        .await
+    }
+
+    pub async fn summary(&self, user: &str, ids: &str) -> Reply {
+        self.send(self.client.get(format!("{}/v1/votes/summary?target_ids={ids}", self.address)).bearer_auth(token(user)))
+            .await
+    }
+}
+
+pub fn new_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}

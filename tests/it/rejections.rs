@@ -1,0 +1,233 @@
+//! Everything a client can get wrong: a clear 4xx JSON error, nothing
+//! written, nothing published. And no token but a valid one lets anyone in.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use jsonwebtoken::{EncodingKey, Header};
+use serde_json::json;
+
+use crate::support::{JWT_SECRET, TestApp, TestEnv, new_key, token};
+
+const VALID: &str = r#"{"target_id":"video_1","target_type":"video","action":"like"}"#;
+
+struct Case {
+    name: &'static str,
+    status: u16,
+    code: &'static str,
+    request: fn(&TestApp) -> reqwest::RequestBuilder,
+}
+
+fn post(app: &TestApp) -> reqwest::RequestBuilder {
+    app.client.post(format!("{}/v1/votes", app.address)).bearer_auth(token("mallory"))
+}
+
+fn with_body(app: &TestApp, body: &'static str) -> reqwest::RequestBuilder {
+    post(app).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
+}
+
+#[tokio::test]
+async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let cases = [
+        Case { name: "malformed JSON", status: 400, code: "malformed_json", request: |a| with_body(a, "{not json") },
+        Case { name: "invalid UTF-8", status: 400, code: "malformed_json", request: |a| {
+            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(vec![b'{', 0xff, 0xfe, b'}'])
+        } },
+        Case { name: "deeply nested JSON", status: 400, code: "malformed_json", request: |a| {
+            let deep = format!("{}{}", "[".repeat(2000), "]".repeat(2000));
+            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(deep)
+        } },
+        Case { name: "missing field", status: 400, code: "malformed_json", request: |a| with_body(a, r#"{"target_id":"v","action":"like"}"#) },
+        Case { name: "unknown action", status: 400, code: "invalid_action", request: |a| {
+            with_body(a, r#"{"target_id":"video_1","target_type":"video","action":"love"}"#)
+        } },
+        Case { name: "unknown target type", status: 400, code: "invalid_target_type", request: |a| {
+            with_body(a, r#"{"target_id":"video_1","target_type":"song","action":"like"}"#)
+        } },
+        Case { name: "bad target_id", status: 400, code: "invalid_target_id", request: |a| {
+            with_body(a, r##"{"target_id":"#idem","target_type":"video","action":"like"}"##)
+        } },
+        Case { name: "too long target_id", status: 400, code: "invalid_target_id", request: |a| {
+            let body = json!({"target_id": "v".repeat(129), "target_type": "video", "action": "like"}).to_string();
+            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
+        } },
+        Case { name: "action of the wrong type", status: 400, code: "malformed_json", request: |a| {
+            with_body(a, r#"{"target_id":"video_1","target_type":"video","action":1}"#)
+        } },
+        Case { name: "missing Idempotency-Key", status: 400, code: "missing_idempotency_key", request: |a| {
+            post(a).header("Content-Type", "application/json").body(VALID)
+        } },
+        Case { name: "Idempotency-Key with a space", status: 400, code: "invalid_idempotency_key", request: |a| {
+            post(a).header("Idempotency-Key", "two words").header("Content-Type", "application/json").body(VALID)
+        } },
+        Case { name: "Idempotency-Key too long", status: 400, code: "invalid_idempotency_key", request: |a| {
+            post(a).header("Idempotency-Key", "k".repeat(256)).header("Content-Type", "application/json").body(VALID)
+        } },
+        Case { name: "body over 4 KiB", status: 413, code: "payload_too_large", request: |a| {
+            let body = json!({"target_id": "video_1", "target_type": "video", "action": "like", "pad": "x".repeat(5000)}).to_string();
+            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
+        } },
+        Case { name: "not JSON", status: 415, code: "unsupported_media_type", request: |a| {
+            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "text/plain").body(VALID)
+        } },
+        Case { name: "no content type", status: 415, code: "unsupported_media_type", request: |a| {
+            post(a).header("Idempotency-Key", new_key()).body(VALID)
+        } },
+        Case { name: "no token", status: 401, code: "unauthorized", request: |a| {
+            a.client.post(format!("{}/v1/votes", a.address)).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(VALID)
+        } },
+        Case { name: "summary without ids", status: 400, code: "invalid_target_ids", request: |a| {
+            a.client.get(format!("{}/v1/votes/summary", a.address)).bearer_auth(token("mallory"))
+        } },
+        Case { name: "summary with 101 ids", status: 400, code: "invalid_target_ids", request: |a| {
+            let ids = (0..101).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
+            a.client.get(format!("{}/v1/votes/summary?target_ids={ids}", a.address)).bearer_auth(token("mallory"))
+        } },
+        Case { name: "summary with a bad id", status: 400, code: "invalid_target_ids", request: |a| {
+            a.client.get(format!("{}/v1/votes/summary?target_ids=ok,bad%20id", a.address)).bearer_auth(token("mallory"))
+        } },
+        Case { name: "summary with invalid UTF-8", status: 400, code: "invalid_target_ids", request: |a| {
+            a.client.get(format!("{}/v1/votes/summary?target_ids=%ff%fe", a.address)).bearer_auth(token("mallory"))
+        } },
+        Case { name: "unknown path", status: 404, code: "not_found", request: |a| {
+            a.client.get(format!("{}/v1/nothing", a.address))
+        } },
+        Case { name: "wrong method", status: 405, code: "method_not_allowed", request: |a| {
+            a.client.delete(format!("{}/v1/votes", a.address)).bearer_auth(token("mallory"))
+        } },
+    ];
+
+    for case in &cases {
+        let reply = app.send((case.request)(&app)).await;
+        assert_eq!(reply.status, case.status, "{}: {reply:?}", case.name);
+        assert_eq!(reply.code(), case.code, "{}: {}", case.name, reply.body);
+        assert!(
+            reply.headers.get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/json")),
+            "{}: errors are JSON",
+            case.name
+        );
+    }
+    assert_eq!(env.rows_of("mallory").await, 0, "no rejected request wrote a row");
+    assert_eq!(env.published(), 0, "no rejected request published");
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn signed(claims: serde_json::Value, secret: &str) -> String {
+    jsonwebtoken::encode(&Header::default(), &claims, &EncodingKey::from_secret(secret.as_bytes()))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn unsigned(claims: serde_json::Value) -> String {
+    use std::fmt::Write;
+    fn b64(bytes: &[u8]) -> String {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let mut out = String::new();
+        for c in bytes.chunks(3) {
+            let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
+            for i in 0..=c.len() {
+                let _ = out.write_char(A[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            }
+        }
+        out
+    }
+    format!("{}.{}.", b64(br#"{"alg":"none","typ":"JWT"}"#), b64(claims.to_string().as_bytes()))
+}
+
+#[tokio::test]
+async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let later = now() + 3600;
+    let forged = [
+        ("wrong secret", signed(json!({"sub": "victim", "exp": later}), "not-the-secret")),
+        ("expired", signed(json!({"sub": "victim", "exp": now() - 3600}), JWT_SECRET)),
+        ("not yet valid", signed(json!({"sub": "victim", "exp": later, "nbf": later - 60}), JWT_SECRET)),
+        ("alg none", unsigned(json!({"sub": "victim", "exp": later}))),
+        ("no sub", signed(json!({"exp": later}), JWT_SECRET)),
+        ("no exp", signed(json!({"sub": "victim"}), JWT_SECRET)),
+        ("empty sub", signed(json!({"sub": "", "exp": later}), JWT_SECRET)),
+        ("garbage", "not.a.token".to_owned()),
+    ];
+    for (name, bad) in &forged {
+        let vote = app
+            .send(
+                app.client
+                    .post(format!("{}/v1/votes", app.address))
+                    .bearer_auth(bad)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(VALID),
+            )
+            .await;
+        assert_eq!(vote.status, 401, "{name}: {vote:?}");
+        let challenge = vote.headers.get("www-authenticate").map(|v| v.to_str().unwrap_or("")).unwrap_or("");
+        assert!(challenge.starts_with("Bearer"), "{name}: WWW-Authenticate is {challenge:?}");
+        let read = app
+            .send(app.client.get(format!("{}/v1/votes/summary?target_ids=video_1", app.address)).bearer_auth(bad))
+            .await;
+        assert_eq!(read.status, 401, "{name}: {read:?}");
+    }
+    assert_eq!(env.rows_of("victim").await, 0);
+    assert_eq!(env.published(), 0);
+}
+
+#[tokio::test]
+async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state() {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let body = r#"{"target_id":"video_9","target_type":"video","action":"like","user_id":"victim"}"#;
+
+    let reply = app
+        .send(
+            app.client
+                .post(format!("{}/v1/votes", app.address))
+                .bearer_auth(token("attacker"))
+                .header("Idempotency-Key", new_key())
+                .header("Content-Type", "application/json")
+                .body(body),
+        )
+        .await;
+
+    assert_eq!(reply.status, 200);
+    assert_eq!(env.reaction("attacker", "video_9").await, Some(("like".into(), 1)));
+    assert_eq!(env.rows_of("victim").await, 0, "the body cannot name the voter");
+    let victims_view = app.summary("victim", "video_9").await.json();
+    assert_eq!(victims_view["items"]["video_9"]["user_state"], "none", "the attacker's like is not the victim's state");
+    assert_eq!(victims_view["items"]["video_9"]["likes"], 1);
+}
+
+#[tokio::test]
+async fn openapi_document_is_valid_3_1_and_lists_every_status() {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let reply = app.send(app.client.get(format!("{}/openapi.json", app.address))).await;
+    assert_eq!(reply.status, 200);
+    let doc = reply.json();
+    assert_eq!(doc["openapi"], "3.1.0");
+    for status in ["200", "400", "401", "405", "409", "413", "415", "422", "503"] {
+        assert!(doc["paths"]["/v1/votes"]["post"]["responses"][status].is_object(), "POST /v1/votes lacks {status}");
+    }
+    for status in ["200", "400", "401", "405", "503"] {
+        assert!(doc["paths"]["/v1/votes/summary"]["get"]["responses"][status].is_object(), "summary lacks {status}");
+    }
+
+    // A real validator: openapi-spec-validator, installed by scripts/test.sh.
+    let path = std::env::temp_dir().join(format!("tally-openapi-{}.json", env.id));
+    std::fs::write(&path, &reply.body).unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new("python3")
+        .args(["-m", "openapi_spec_validator", "--schema", "3.1"])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("python3: {e}"));
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "openapi-spec-validator rejected the document:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
