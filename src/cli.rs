@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 use crate::api::{ApiConfig, Application};
 use crate::auth::{self, TokenArgs};
+use crate::consumer::ConsumerConfig;
 use crate::bus::{self, KafkaConfig};
 use crate::store::{self, CassandraConfig, migrate::Replication};
 use crate::telemetry::LogFormat;
@@ -27,7 +28,7 @@ pub enum Command {
     /// Serve the HTTP vote API (POST /v1/votes, GET /v1/votes/summary).
     Vote(ApiConfig),
     /// Count published transitions exactly once into per-target totals.
-    Consumer(ConsumerArgs),
+    Consumer(ConsumerConfig),
     /// Recount totals from the per-user rows and repair drift.
     Reconcile(ReconcileArgs),
     /// Create the keyspace, apply pending CQL migrations, create the Kafka topics.
@@ -37,13 +38,6 @@ pub enum Command {
 }
 
 
-#[derive(clap::Args, Debug)]
-pub struct ConsumerArgs {
-    #[command(flatten)]
-    pub cassandra: CassandraConfig,
-    #[command(flatten)]
-    pub kafka: KafkaConfig,
-}
 
 #[derive(clap::Args, Debug)]
 pub struct ReconcileArgs {
@@ -80,7 +74,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", auth::mint(&args.auth, &args.sub, args.ttl, args.roles)?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Consumer(_) => not_yet("consumer"),
+        Command::Consumer(config) => consumer(config).await,
         Command::Reconcile(_) => not_yet("reconcile"),
     }
 }
@@ -112,4 +106,37 @@ async fn vote(config: ApiConfig) -> anyhow::Result<ExitCode> {
     tracing::info!(address = format!("http://{host}:{}", app.port()), "tally vote listening");
     app.run_until_stopped().await.context("The HTTP server failed")?;
     Ok(ExitCode::SUCCESS)
+}
+
+async fn consumer(config: ConsumerConfig) -> anyhow::Result<ExitCode> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("stop requested; finishing the batch in hand");
+        let _ = stop_tx.send(true);
+    });
+    crate::consumer::run(config, stop_rx, Default::default()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
 }

@@ -6,6 +6,7 @@ pub mod bus;
 pub mod cache;
 pub mod cast;
 pub mod cli;
+pub mod consumer;
 pub mod counts;
 pub mod domain;
 pub mod store;

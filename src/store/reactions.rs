@@ -252,7 +252,7 @@ fn now_millis() -> i64 {
 /// before it ran, or unknown. Anything not known to have failed before
 /// reaching Paxos is unknown: guessing "not applied" could lose a vote, and
 /// guessing "applied" could publish a transition that never happened.
-fn classify(result: Result<scylla::response::query_result::QueryResult, ExecutionError>) -> Cas {
+pub(crate) fn classify(result: Result<scylla::response::query_result::QueryResult, ExecutionError>) -> Cas {
     match result {
         Ok(r) => match super::was_applied(r) {
             Ok(true) => Cas::Applied,

@@ -2,6 +2,7 @@
 //! One binary for all of them, so the heavy crates link once.
 
 mod smoke;
+mod consumer;
 mod rejections;
 mod support;
 mod votes;

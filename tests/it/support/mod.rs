@@ -249,3 +249,173 @@ impl TestApp {
 pub fn new_key() -> String {
     uuid::Uuid::new_v4().to_string()
 }
+
+/// Per target: likes, dislikes, and per user (version, state).
+pub type Tallies = std::collections::BTreeMap<String, (i64, i64, std::collections::BTreeMap<String, (i64, String)>)>;
+
+/// A consumer running in-process.
+pub struct RunningConsumer {
+    stop: tokio::sync::watch::Sender<bool>,
+    pub progress: std::sync::Arc<tally::consumer::Progress>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningConsumer {
+    pub fn processed(&self) -> u64 {
+        self.progress.processed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops it the way SIGTERM does, and waits for it to leave the group.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        match tokio::time::timeout(Duration::from_secs(60), self.task).await {
+            Ok(Ok(Ok(()))) => {}
+            other => panic!("consumer did not stop cleanly: {other:?}"),
+        }
+    }
+}
+
+impl TestEnv {
+    pub fn consumer_config(&self) -> tally::consumer::ConsumerConfig {
+        tally::consumer::ConsumerConfig {
+            group: self.group.clone(),
+            batch_max: 200,
+            batch_wait: Duration::from_millis(20),
+            parallelism: 8,
+            drain_timeout: Duration::from_secs(20),
+            mode: tally::consumer::WriteMode::Batched,
+            cassandra: self.cassandra.clone(),
+            kafka: self.kafka.clone(),
+            redis: self.redis.clone(),
+        }
+    }
+
+    pub fn start_consumer(&self) -> RunningConsumer {
+        self.start_consumer_with(self.consumer_config())
+    }
+
+    pub fn start_consumer_with(&self, config: tally::consumer::ConsumerConfig) -> RunningConsumer {
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let progress = std::sync::Arc::new(tally::consumer::Progress::default());
+        let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
+        RunningConsumer { stop, progress, task }
+    }
+
+    /// Publishes raw bytes to the transitions topic, keyed like the API does.
+    pub async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        use rdkafka::producer::{FutureProducer, FutureRecord};
+        let producer: FutureProducer = self.kafka.client().create().unwrap_or_else(|e| panic!("{e}"));
+        producer
+            .send(FutureRecord::to(&self.kafka.topic).key(key).payload(payload), Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|(e, _)| panic!("{e}"));
+    }
+
+    pub async fn publish_transition(&self, user: &str, target: &str, from: &str, to: &str, version: i64) {
+        let t = serde_json::json!({
+            "target_id": target, "target_type": "video", "user_id": user,
+            "from": from, "to": to, "version": version, "occurred_at": "2026-11-29T00:00:00.000Z"
+        });
+        self.publish_raw(target, t.to_string().as_bytes()).await;
+    }
+
+    /// What `target_stats` holds.
+    pub async fn stats(&self) -> Tallies {
+        use futures::TryStreamExt;
+        type Row = (String, Option<String>, Option<i64>, Option<i64>, Option<i64>, Option<String>);
+        let rows: Vec<Row> = self
+            .session
+            .query_iter("SELECT target_id, user_id, likes, dislikes, applied_version, applied_state FROM target_stats", ())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .rows_stream::<Row>()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .try_collect()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut out = Tallies::new();
+        for (target, user, likes, dislikes, version, state) in rows {
+            let e = out.entry(target).or_default();
+            e.0 = likes.unwrap_or(0);
+            e.1 = dislikes.unwrap_or(0);
+            if let (Some(u), Some(v), Some(s)) = (user, version, state) {
+                e.2.insert(u, (v, s));
+            }
+        }
+        out
+    }
+
+    /// The truth: totals recounted from `reactions`, with every user's
+    /// version and state. Users at `none` are kept (their version matters).
+    pub async fn recount(&self) -> Tallies {
+        use futures::TryStreamExt;
+        let rows: Vec<(String, String, Option<String>, Option<i64>)> = self
+            .session
+            .query_iter("SELECT user_id, target_id, state, version FROM reactions", ())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .rows_stream::<(String, String, Option<String>, Option<i64>)>()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .try_collect()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut out = Tallies::new();
+        for (user, target, state, version) in rows {
+            let (Some(state), Some(version)) = (state, version) else { continue }; // an idempotency record
+            let e = out.entry(target).or_default();
+            match state.as_str() {
+                "like" => e.0 += 1,
+                "dislike" => e.1 += 1,
+                _ => {}
+            }
+            e.2.insert(user, (version, state));
+        }
+        out
+    }
+
+    /// Waits until `target_stats` says exactly what `reactions` says.
+    pub async fn wait_until_no_drift(&self, deadline: Duration) {
+        let mut last = (Tallies::new(), Tallies::new());
+        let start = tokio::time::Instant::now();
+        loop {
+            let (stats, truth) = (self.stats().await, self.recount().await);
+            if stats == truth {
+                return;
+            }
+            last = (stats, truth);
+            if start.elapsed() > deadline {
+                let (stats, truth) = last;
+                let drifted: Vec<_> = truth.iter().filter(|(t, v)| stats.get(*t) != Some(*v)).map(|(t, v)| (t, v, stats.get(t))).take(5).collect();
+                panic!("drift after {deadline:?}: (target, truth, stats) {drifted:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// A small deterministic generator, so a failing run can be repeated.
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+impl TestApp {
+    /// Casts `n` votes from `users` users over `targets` targets, `width` at a
+    /// time, with actions drawn from `rng`. Returns how many were answered 200.
+    pub async fn random_votes(&self, rng: &mut Lcg, n: usize, users: u64, targets: u64, width: usize) -> usize {
+        let actions = ["like", "dislike", "none"];
+        let plan: Vec<(String, String, &str)> = (0..n)
+            .map(|_| (format!("u{}", rng.below(users)), format!("t{}", rng.below(targets)), actions[rng.below(3) as usize]))
+            .collect();
+        let mut ok = 0;
+        for chunk in plan.chunks(width) {
+            let replies = futures::future::join_all(chunk.iter().map(|(u, t, a)| self.vote(u, new_key(), t, a))).await;
+            ok += replies.iter().filter(|r| r.status == 200).count();
+        }
+        ok
+    }
+}
