@@ -152,6 +152,10 @@ impl Caster {
             };
             let record = KeyRecord { request_hash: hash.clone(), owner, status: 200, body: a.body.clone() };
 
+            if snap.current.is_none() && a.transition.is_some() {
+                // Before the first reaction commits, so the sweep can find it.
+                self.store.targets.register(&vote.target_id, vote.target_type).await.map_err(|e| CastError::Unavailable(e.into()))?;
+            }
             let outcome = if a.transition.is_some() {
                 let change = Change {
                     user,

@@ -9,5 +9,6 @@ pub mod cli;
 pub mod consumer;
 pub mod counts;
 pub mod domain;
+pub mod reconcile;
 pub mod store;
 pub mod telemetry;

@@ -1,6 +1,7 @@
 //! `tally vote`: the HTTP API. Handlers parse into domain types, call
 //! `cast` or `counts`, and map errors to HTTP in `error`.
 
+pub mod admin;
 pub mod error;
 pub mod summary;
 pub mod votes;
@@ -23,6 +24,7 @@ use crate::bus::publisher::Publisher;
 use crate::cache::{Cache, RedisConfig, TtlPolicy};
 use crate::cast::{CastConfig, Caster};
 use crate::counts::Counts;
+use crate::reconcile::Reconciler;
 use crate::store::{CassandraConfig, Store};
 use error::ApiError;
 
@@ -62,6 +64,7 @@ pub struct AppState {
     pub caster: Caster,
     pub counts: Counts,
     pub store: Arc<Store>,
+    pub reconciler: Reconciler,
 }
 
 /// The id of one HTTP request: the caller's `X-Request-Id` if it sent a sane
@@ -87,7 +90,8 @@ impl Application {
         let counts = Counts::new(cache.clone(), store.clone());
         let publisher = Publisher::new(&config.kafka, config.publish_timeout)?;
         let caster = Caster::new(store.clone(), counts.clone(), publisher, CastConfig::default());
-        let state = web::Data::new(AppState { verifier, caster, counts, store });
+        let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
+        let state = web::Data::new(AppState { verifier, caster, counts, store, reconciler });
 
         tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone()));
 
@@ -101,6 +105,11 @@ impl Application {
                 .service(
                     web::resource("/v1/votes/summary")
                         .route(web::get().to(summary::summary))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .service(
+                    web::resource("/v1/admin/reconcile/{target_id}")
+                        .route(web::post().to(admin::reconcile))
                         .default_service(web::to(method_not_allowed)),
                 )
                 .route("/openapi.json", web::get().to(openapi))

@@ -19,6 +19,7 @@ pub struct Migration {
 pub const MIGRATIONS: &[Migration] = &[
     Migration { id: "0001_reactions", cql: include_str!("../../migrations/0001_reactions.cql") },
     Migration { id: "0002_target_stats", cql: include_str!("../../migrations/0002_target_stats.cql") },
+    Migration { id: "0003_reconcile", cql: include_str!("../../migrations/0003_reconcile.cql") },
 ];
 
 /// Keyspace replication: `simple:N` (SimpleStrategy, for one local node) or
@@ -80,11 +81,35 @@ pub fn check_keyspace_name(name: &str) -> Result<(), String> {
     if ok { Ok(()) } else { Err(format!("keyspace must match [a-z][a-z0-9_]{{0,47}}, not {name:?}")) }
 }
 
-/// The statements of one migration file: `--` comments removed, split on `;`.
+/// The statements of one migration file: split on `;`, with `--` comments
+/// removed, both only outside single-quoted strings (`''` inside a string
+/// is an escaped quote, which toggling twice handles).
 pub fn statements(cql: &str) -> Vec<String> {
-    let without_comments: String =
-        cql.lines().map(|l| l.split_once("--").map_or(l, |(code, _)| code)).collect::<Vec<_>>().join("\n");
-    without_comments.split(';').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+    let mut out = Vec::new();
+    let mut current = String::new();
+    let mut in_string = false;
+    let mut chars = cql.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                in_string = !in_string;
+                current.push(c);
+            }
+            '-' if !in_string && chars.peek() == Some(&'-') => {
+                // Skip to the end of the line.
+                for next in chars.by_ref() {
+                    if next == '\n' {
+                        current.push('\n');
+                        break;
+                    }
+                }
+            }
+            ';' if !in_string => out.push(std::mem::take(&mut current)),
+            _ => current.push(c),
+        }
+    }
+    out.push(current);
+    out.into_iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect()
 }
 
 fn checksum(cql: &str) -> String {
@@ -177,6 +202,16 @@ mod tests {
         for bad in ["", "Tally", "1x", "a-b", "x; DROP KEYSPACE y", &"k".repeat(49)] {
             assert!(check_keyspace_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn statements_split_outside_strings_and_comments_only() {
+        let cql = "-- a; comment\nCREATE TABLE a (x int) WITH comment = 'one; two -- three';\nCREATE TABLE b (y text) -- trailing; note\n;";
+        assert_eq!(
+            statements(cql),
+            ["CREATE TABLE a (x int) WITH comment = 'one; two -- three'", "CREATE TABLE b (y text)"]
+        );
+        assert_eq!(statements("SELECT 'it''s; fine' FROM t"), ["SELECT 'it''s; fine' FROM t"]);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 pub mod migrate;
 pub mod reactions;
 pub mod stats;
+pub mod targets;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,6 +105,7 @@ pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyho
 pub struct Store {
     pub reactions: reactions::Reactions,
     pub stats: stats::Stats,
+    pub targets: targets::Targets,
 }
 
 impl Store {
@@ -114,7 +116,8 @@ impl Store {
         let ttl = i32::try_from(key_ttl.as_secs()).unwrap_or(i32::MAX).max(1);
         Ok(Store {
             reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
-            stats: stats::Stats::prepare(session).await?,
+            stats: stats::Stats::prepare(session.clone()).await?,
+            targets: targets::Targets::prepare(session).await?,
         })
     }
 }

@@ -82,6 +82,7 @@ pub struct Reactions {
     snapshot: PreparedStatement,
     snapshot_serial: PreparedStatement,
     states: PreparedStatement,
+    by_target: PreparedStatement,
     first_change: Batch,
     next_change: Batch,
     record_only: PreparedStatement,
@@ -102,6 +103,12 @@ impl Reactions {
             .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
             .await
             .context("prepare states")?;
+
+        // Served by the reactions_by_target SAI index; reconcile only.
+        let by_target = session
+            .prepare("SELECT user_id, state, version FROM reactions WHERE target_id = ?")
+            .await
+            .context("prepare by target")?;
 
         let insert_first = session
             .prepare(
@@ -142,6 +149,7 @@ impl Reactions {
             snapshot,
             snapshot_serial,
             states,
+            by_target,
             record_only,
             key_ttl_secs,
         })
@@ -236,6 +244,31 @@ impl Reactions {
             if let (Ok(target), Some(Ok(state))) = (TargetId::parse(&target), state.map(|s| s.parse::<Reaction>())) {
                 out.insert(target, state);
             }
+        }
+        Ok(out)
+    }
+}
+
+impl Reactions {
+    /// Every user's (state, version) for one target, paged through the
+    /// SAI index: the truth reconcile counts from.
+    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Current)>, Unavailable> {
+        let rows: Vec<(String, Option<String>, Option<i64>)> = self
+            .session
+            .execute_iter(self.by_target.clone(), (target.as_str(),))
+            .await
+            .map_err(|e| Unavailable(e.into()))?
+            .rows_stream::<(String, Option<String>, Option<i64>)>()
+            .map_err(|e| Unavailable(e.into()))?
+            .try_collect()
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for (user, state, version) in rows {
+            let (Ok(user), Some(Ok(state)), Some(version)) = (UserId::parse(&user), state.map(|s| s.parse()), version) else {
+                continue;
+            };
+            out.push((user, Current { state, version }));
         }
         Ok(out)
     }

@@ -106,7 +106,9 @@ impl Stats {
             };
             pager
                 .map_err(|e| Unavailable(e.into()))?
-                .rows_stream::<(String, Option<i64>, Option<String>)>()
+                // A partition holding only its static columns answers one row
+                // with a null user_id.
+                .rows_stream::<(Option<String>, Option<i64>, Option<String>)>()
                 .map_err(|e| Unavailable(e.into()))?
                 .try_collect::<Vec<_>>()
                 .await
@@ -115,7 +117,7 @@ impl Stats {
         let ((seq, totals), rows) = futures::try_join!(head, rows)?;
         let mut applied = HashMap::new();
         for (user, version, state) in rows {
-            let (Ok(user), Some(version)) = (UserId::parse(&user), version) else { continue };
+            let (Some(Ok(user)), Some(version)) = (user.as_deref().map(UserId::parse), version) else { continue };
             let state = state.and_then(|s| s.parse::<Reaction>().ok()).unwrap_or(Reaction::None);
             applied.insert(user, Applied { version, state });
         }

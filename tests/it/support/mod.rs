@@ -419,3 +419,36 @@ impl TestApp {
         ok
     }
 }
+
+impl TestEnv {
+    pub async fn reconciler(&self) -> tally::reconcile::Reconciler {
+        let store = tally::store::Store::open(&self.cassandra, Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e:#}"));
+        let cache = tally::cache::Cache::new(&self.redis, Duration::from_secs(60)).ok();
+        tally::reconcile::Reconciler::new(std::sync::Arc::new(store), cache)
+    }
+
+    /// Runs a CQL statement of the test's own (to damage data on purpose).
+    pub async fn cql(&self, stmt: &str) {
+        self.session.query_unpaged(stmt, ()).await.unwrap_or_else(|e| panic!("{stmt}: {e}"));
+    }
+
+    /// The `tally` binary with this test's keyspace, topics, group and prefix.
+    pub fn tally(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
+        cmd.env("TALLY_KEYSPACE", &self.cassandra.keyspace)
+            .env("TALLY_TOPIC", &self.kafka.topic)
+            .env("TALLY_DEAD_LETTER_TOPIC", &self.kafka.dead_letter_topic)
+            .env("TALLY_CONSUMER_GROUP", &self.group)
+            .env("TALLY_REDIS_PREFIX", &self.redis.prefix)
+            .env("RUST_LOG", "warn");
+        cmd
+    }
+
+    /// Casts votes and runs a consumer until target_stats agrees with reactions.
+    pub async fn votes_counted(&self, app: &TestApp, rng: &mut Lcg, n: usize, users: u64, targets: u64) {
+        assert_eq!(app.random_votes(rng, n, users, targets, 32).await, n);
+        let consumer = self.start_consumer();
+        self.wait_until_no_drift(Duration::from_secs(90)).await;
+        consumer.stop().await;
+    }
+}

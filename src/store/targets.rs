@@ -1,0 +1,129 @@
+//! The `targets` registry walked by the reconcile sweep, and the sweep's
+//! checkpoints.
+
+use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
+
+use anyhow::Context;
+use futures::TryStreamExt;
+use scylla::client::session::Session;
+use scylla::statement::prepared::PreparedStatement;
+
+use super::reactions::Unavailable;
+use crate::domain::{TargetId, TargetType};
+
+/// Targets this process registered recently; the registry is an idempotent
+/// upsert, so forgetting (when the set is full) only costs a repeat write.
+const REMEMBERED: usize = 100_000;
+
+/// A sweep's resume point.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub last_token: Option<i64>,
+    pub checked: i64,
+    pub drifted: i64,
+}
+
+pub struct Targets {
+    session: Arc<Session>,
+    register: PreparedStatement,
+    first_page: PreparedStatement,
+    next_page: PreparedStatement,
+    read_checkpoint: PreparedStatement,
+    write_checkpoint: PreparedStatement,
+    delete_checkpoint: PreparedStatement,
+    registered: Mutex<HashSet<TargetId>>,
+}
+
+impl Targets {
+    pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Targets> {
+        Ok(Targets {
+            register: session.prepare("INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
+            first_page: session
+                .prepare("SELECT target_id, token(target_id) FROM targets LIMIT ?")
+                .await
+                .context("prepare first page")?,
+            next_page: session
+                .prepare("SELECT target_id, token(target_id) FROM targets WHERE token(target_id) > ? LIMIT ?")
+                .await
+                .context("prepare next page")?,
+            read_checkpoint: session
+                .prepare("SELECT last_token, checked, drifted FROM reconcile_checkpoints WHERE name = ?")
+                .await?,
+            write_checkpoint: session
+                .prepare(
+                    "INSERT INTO reconcile_checkpoints (name, last_token, checked, drifted, updated_at) \
+                     VALUES (?, ?, ?, ?, toTimestamp(now()))",
+                )
+                .await?,
+            delete_checkpoint: session.prepare("DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
+            registered: Mutex::new(HashSet::new()),
+            session,
+        })
+    }
+
+    /// Records that the target has reactions. Called before a first reaction
+    /// commits; skipped when this process registered it recently.
+    pub async fn register(&self, target: &TargetId, kind: TargetType) -> Result<(), Unavailable> {
+        if self.registered.lock().is_ok_and(|s| s.contains(target)) {
+            return Ok(());
+        }
+        self.session
+            .execute_unpaged(&self.register, (target.as_str(), kind.as_str()))
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        if let Ok(mut s) = self.registered.lock() {
+            if s.len() >= REMEMBERED {
+                s.clear();
+            }
+            s.insert(target.clone());
+        }
+        Ok(())
+    }
+
+    /// The next `limit` targets after `after` in token order, with their tokens.
+    pub async fn page(&self, after: Option<i64>, limit: i32) -> Result<Vec<(TargetId, i64)>, Unavailable> {
+        let pager = match after {
+            None => self.session.execute_iter(self.first_page.clone(), (limit,)).await,
+            Some(t) => self.session.execute_iter(self.next_page.clone(), (t, limit)).await,
+        };
+        let rows: Vec<(String, i64)> = pager
+            .map_err(|e| Unavailable(e.into()))?
+            .rows_stream::<(String, i64)>()
+            .map_err(|e| Unavailable(e.into()))?
+            .try_collect()
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        Ok(rows.into_iter().filter_map(|(t, tok)| TargetId::parse(&t).ok().map(|t| (t, tok))).collect())
+    }
+
+    pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, Unavailable> {
+        let row = self
+            .session
+            .execute_unpaged(&self.read_checkpoint, (name,))
+            .await
+            .map_err(|e| Unavailable(e.into()))?
+            .into_rows_result()
+            .map_err(|e| Unavailable(e.into()))?
+            .maybe_first_row::<(Option<i64>, Option<i64>, Option<i64>)>()
+            .map_err(|e| Unavailable(e.into()))?;
+        Ok(row.map(|(last_token, checked, drifted)| Checkpoint {
+            last_token,
+            checked: checked.unwrap_or(0),
+            drifted: drifted.unwrap_or(0),
+        }))
+    }
+
+    pub async fn save_checkpoint(&self, name: &str, c: &Checkpoint) -> Result<(), Unavailable> {
+        self.session
+            .execute_unpaged(&self.write_checkpoint, (name, c.last_token, c.checked, c.drifted))
+            .await
+            .map_err(|e| Unavailable(e.into()))?;
+        Ok(())
+    }
+
+    pub async fn clear_checkpoint(&self, name: &str) -> Result<(), Unavailable> {
+        self.session.execute_unpaged(&self.delete_checkpoint, (name,)).await.map_err(|e| Unavailable(e.into()))?;
+        Ok(())
+    }
+}
