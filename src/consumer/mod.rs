@@ -86,6 +86,8 @@ pub struct Progress {
     /// Fenced writes that lost to another writer and were redone.
     pub fence_conflicts: AtomicU64,
     pub batches: AtomicU64,
+    /// CQL requests made to count (two reads and one batch per write attempt).
+    pub requests: AtomicU64,
 }
 
 /// Runs until `stop` turns true, then finishes the batch in hand (up to
@@ -251,6 +253,7 @@ impl Worker<'_> {
             let mut serial = false;
             let mut backoff = Duration::from_millis(50);
             loop {
+                self.progress.requests.fetch_add(2, Ordering::Relaxed);
                 let outcome = match self.stats.read(target, Some(&users), serial).await {
                     Ok(read) => {
                         let mut ledger = read.ledger;
@@ -262,6 +265,7 @@ impl Worker<'_> {
                             break;
                         }
                         let changed: Vec<&UserId> = ledger.changed.iter().collect();
+                        self.progress.requests.fetch_add(1, Ordering::Relaxed);
                         match self.stats.write(target, Some(chunk[0].target_type), read.seq, &ledger, &changed).await {
                             Cas::Applied => {
                                 self.progress.writes.fetch_add(1, Ordering::Relaxed);
