@@ -172,6 +172,7 @@ impl Caster {
                 // recorded so a late retry of it cannot undo a later click.
                 self.store.reactions.record(user, key, &record).await
             };
+            crate::metrics::cas("vote", &outcome);
             match outcome {
                 Cas::Applied => return Ok(self.after_commit(a, user, request_id).await),
                 Cas::NotApplied => {
@@ -212,6 +213,7 @@ impl Caster {
                     backoff *= 4;
                 }
                 Err(e) => {
+                    metrics::counter!(crate::metrics::PUBLISH_FAILURES).increment(1);
                     tracing::error!(
                         user = %user, target_id = %transition.target_id, version = transition.version, error = %e,
                         "committed transition not published; reconcile will repair this target"

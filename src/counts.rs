@@ -26,8 +26,14 @@ impl Counts {
     /// With Redis down every target is read from Cassandra.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, Unavailable> {
         let cached = match self.cache.get_many(targets).await {
-            Ok(c) => c,
+            Ok(c) => {
+                let hits = c.iter().filter(|h| h.is_some()).count() as u64;
+                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "hit").increment(hits);
+                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "miss").increment(c.len() as u64 - hits);
+                c
+            }
             Err(e) => {
+                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "error").increment(targets.len() as u64);
                 tracing::warn!(error = %e, "count cache unreadable; serving durable totals");
                 vec![None; targets.len()]
             }

@@ -9,6 +9,8 @@ pub mod cli;
 pub mod consumer;
 pub mod counts;
 pub mod domain;
+pub mod metrics;
+pub mod ops;
 pub mod reconcile;
 pub mod store;
 pub mod telemetry;

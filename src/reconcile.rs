@@ -77,6 +77,9 @@ impl Reconciler {
                 plan.apply(user, row.version, None, row.state);
             }
             let behind: Vec<&UserId> = plan.changed.iter().collect();
+            if !totals_damaged && behind.is_empty() {
+                metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
+            }
             let mut report = Report {
                 target_id: target.to_string(),
                 drifted: totals_damaged || !behind.is_empty(),
@@ -85,6 +88,10 @@ impl Reconciler {
                 users_behind: behind.len(),
                 repaired: false,
             };
+            if report.drifted {
+                metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
+                metrics::counter!(crate::metrics::DRIFT_FOUND).increment(1);
+            }
             if !report.drifted || dry_run {
                 if report.drifted {
                     tracing::warn!(target_id = %target, ?before, after = ?plan.totals, users_behind = behind.len(), "drift found (dry run: not repaired)");
@@ -110,6 +117,7 @@ impl Reconciler {
                 }
             }
             report.repaired = true;
+            metrics::counter!(crate::metrics::DRIFT_REPAIRED).increment(1);
             if let Some(cache) = &self.cache {
                 if let Err(e) = cache.invalidate(target).await {
                     tracing::warn!(target_id = %target, error = %e, "cached totals not dropped; they expire with their TTL");

@@ -38,7 +38,7 @@ impl ApiError {
         ApiError::BadRequest { code, message: message.into() }
     }
 
-    fn code(&self) -> &'static str {
+    pub fn code(&self) -> &'static str {
         match self {
             ApiError::BadRequest { code, .. } => code,
             ApiError::Unauthorized(_) => "unauthorized",

@@ -24,6 +24,7 @@ use crate::bus::publisher::Publisher;
 use crate::cache::{Cache, RedisConfig, TtlPolicy};
 use crate::cast::{CastConfig, Caster};
 use crate::counts::Counts;
+use crate::ops::{self, Readiness};
 use crate::reconcile::Reconciler;
 use crate::store::{CassandraConfig, Store};
 use error::ApiError;
@@ -46,6 +47,10 @@ pub struct ApiConfig {
     /// How long one attempt to publish a transition may take.
     #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
+
+    /// The consumer group whose lag this API measures and sizes cache TTLs by.
+    #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
+    pub consumer_group: String,
 
     #[command(flatten)]
     pub auth: AuthConfig,
@@ -91,15 +96,19 @@ impl Application {
         let publisher = Publisher::new(&config.kafka, config.publish_timeout)?;
         let caster = Caster::new(store.clone(), counts.clone(), publisher, CastConfig::default());
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
+        let readiness = web::Data::new(Readiness::new(store.clone(), &config.kafka, cache.clone())?);
+        let metrics = web::Data::new(crate::metrics::install());
         let state = web::Data::new(AppState { verifier, caster, counts, store, reconciler });
 
-        tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone()));
+        tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone(), config.kafka.clone(), config.consumer_group.clone()));
 
         let listener = TcpListener::bind(&config.listen).with_context(|| format!("Failed to listen on {}", config.listen))?;
         let port = listener.local_addr()?.port();
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(state.clone())
+                .app_data(readiness.clone())
+                .app_data(metrics.clone())
                 .wrap(from_fn(request_id))
                 .service(web::resource("/v1/votes").route(web::post().to(votes::cast)).default_service(web::to(method_not_allowed)))
                 .service(
@@ -113,6 +122,9 @@ impl Application {
                         .default_service(web::to(method_not_allowed)),
                 )
                 .route("/openapi.json", web::get().to(openapi))
+                .route("/metrics", web::get().to(ops::metrics))
+                .route("/healthz", web::get().to(ops::healthz))
+                .route("/readyz", web::get().to(ops::readyz))
                 .default_service(web::to(not_found))
         })
         .workers(config.workers.max(1))
@@ -160,21 +172,35 @@ async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Result
     span.in_scope(|| {
         tracing::info!(status = res.status().as_u16(), elapsed_ms = started.elapsed().as_secs_f64() * 1000.0, "answered");
     });
+    metrics::counter!(crate::metrics::HTTP_RESPONSES, "status" => res.status().as_u16().to_string()).increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
         res.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
     }
     Ok(res)
 }
 
-/// Keeps the cache TTL longer than the consumer's lag: an entry must not
-/// expire (and be refilled from durable totals) while they are still behind.
-async fn follow_consumer_lag(cache: Cache, policy: TtlPolicy) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+/// Measures the consumer group's lag from outside (it keeps rising while
+/// every consumer is down), exports it, and keeps the cache TTL longer than
+/// it: an entry must not expire, and be refilled from durable totals, while
+/// those are still behind.
+async fn follow_consumer_lag(cache: Cache, policy: TtlPolicy, kafka: KafkaConfig, group: String) {
+    let mut tick = tokio::time::interval(crate::consumer::lag::INTERVAL);
     loop {
         tick.tick().await;
-        match cache.consumer_lag().await {
-            Ok(lag) => cache.set_ttl(policy.ttl_for_lag(lag.unwrap_or(0.0))),
-            Err(e) => tracing::debug!(error = %e, "consumer lag unknown; keeping the cache TTL"),
+        let (k, g) = (kafka.clone(), group.clone());
+        match tokio::task::spawn_blocking(move || crate::consumer::lag::group_lag(&k, &g)).await {
+            Ok(Ok(lags)) => {
+                for l in &lags {
+                    let p = l.partition.to_string();
+                    metrics::gauge!(crate::metrics::GROUP_LAG_MESSAGES, "partition" => p.clone()).set(l.messages as f64);
+                    metrics::gauge!(crate::metrics::GROUP_LAG_SECONDS, "partition" => p).set(l.seconds);
+                }
+                let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
+                tracing::debug!(?lags, "consumer group lag");
+                cache.set_ttl(policy.ttl_for_lag(worst));
+            }
+            Ok(Err(e)) => tracing::debug!(error = format!("{e:#}"), "consumer lag unknown; keeping the cache TTL"),
+            Err(e) => tracing::debug!(error = %e, "lag task failed"),
         }
     }
 }

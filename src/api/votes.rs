@@ -29,6 +29,23 @@ pub async fn cast(
     payload: web::Payload,
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
+    let started = std::time::Instant::now();
+    let result = cast_inner(req, state, payload, request_id).await;
+    let outcome = match &result {
+        Ok(res) if res.headers().contains_key("Idempotent-Replayed") => "replayed",
+        Ok(_) => "ok",
+        Err(e) => e.code(),
+    };
+    metrics::histogram!(crate::metrics::VOTE_WRITE_SECONDS, "outcome" => outcome).record(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn cast_inner(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    payload: web::Payload,
+    request_id: web::ReqData<RequestId>,
+) -> Result<HttpResponse, ApiError> {
     let caller = state.verifier.verify_header(header_str(req.headers(), header::AUTHORIZATION))?;
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;

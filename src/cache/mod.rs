@@ -104,11 +104,6 @@ impl Cache {
         format!("{}:t:{}", self.prefix, target.as_str())
     }
 
-    /// The key the consumer publishes its lag under, for the TTL policy.
-    pub fn lag_key(&self) -> String {
-        format!("{}:consumer:lag_seconds", self.prefix)
-    }
-
     pub fn ttl(&self) -> Duration {
         Duration::from_secs(self.ttl_secs.load(Ordering::Relaxed))
     }
@@ -168,23 +163,6 @@ impl Cache {
     /// Drops a target's entry, so the next read refills it from the durable totals.
     pub async fn invalidate(&self, target: &TargetId) -> Result<(), CacheError> {
         let () = redis::cmd("DEL").arg(self.key(target)).query_async(&mut self.conn().await?).await?;
-        Ok(())
-    }
-
-    /// The consumer's last published lag, in seconds.
-    pub async fn consumer_lag(&self) -> Result<Option<f64>, CacheError> {
-        let v: Option<f64> = redis::cmd("GET").arg(self.lag_key()).query_async(&mut self.conn().await?).await?;
-        Ok(v)
-    }
-
-    pub async fn publish_lag(&self, seconds: f64, valid_for: Duration) -> Result<(), CacheError> {
-        let () = redis::cmd("SET")
-            .arg(self.lag_key())
-            .arg(seconds)
-            .arg("EX")
-            .arg(valid_for.as_secs().max(1))
-            .query_async(&mut self.conn().await?)
-            .await?;
         Ok(())
     }
 

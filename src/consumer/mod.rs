@@ -8,7 +8,7 @@
 //! commits them. A crash anywhere replays from the last commit, and the
 //! replayed versions are dropped by the apply rule.
 
-mod lag;
+pub mod lag;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -65,6 +65,10 @@ pub struct ConsumerConfig {
     #[arg(long = "write-mode", env = "TALLY_WRITE_MODE", value_enum, default_value_t = WriteMode::Batched)]
     pub mode: WriteMode,
 
+    /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
+    #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
+    pub listen: String,
+
     #[command(flatten)]
     pub cassandra: CassandraConfig,
     #[command(flatten)]
@@ -88,12 +92,14 @@ pub struct Progress {
     pub batches: AtomicU64,
     /// CQL requests made to count (two reads and one batch per write attempt).
     pub requests: AtomicU64,
+    /// The port /metrics, /healthz and /readyz are served on.
+    pub ops_port: AtomicU64,
 }
 
 /// Runs until `stop` turns true, then finishes the batch in hand (up to
 /// `drain_timeout`), commits what was written, and leaves the group.
 pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progress: Arc<Progress>) -> anyhow::Result<()> {
-    let store = Store::open(&config.cassandra, Duration::from_secs(1)).await?;
+    let store = Arc::new(Store::open(&config.cassandra, Duration::from_secs(1)).await?);
     let consumer: Arc<StreamConsumer> = Arc::new(
         config
             .kafka
@@ -118,8 +124,13 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
         .create()
         .context("Failed to create the dead-letter producer")?;
     let cache = Cache::new(&config.redis, Duration::from_secs(60))?;
+    let readiness = crate::ops::Readiness::new(store.clone(), &config.kafka, cache.clone())?;
+    let (port, ops_server) = crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
+    progress.ops_port.store(u64::from(port), Ordering::Relaxed);
+    let ops_handle = ops_server.handle();
+    tokio::spawn(ops_server);
     let positions = lag::Positions::default();
-    let lag_task = tokio::spawn(lag::report(consumer.clone(), config.kafka.topic.clone(), positions.clone(), cache, stop.clone()));
+    let lag_task = tokio::spawn(lag::report(consumer.clone(), config.kafka.topic.clone(), positions.clone(), stop.clone()));
     tracing::info!(group = %config.group, topic = %config.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let worker = Worker { config: &config, stats: &store.stats, dead_letters: &dead_letters, progress: &progress };
@@ -156,6 +167,7 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
     }
     consumer.unsubscribe();
     lag_task.abort();
+    ops_handle.stop(true).await;
     tracing::info!(processed = progress.processed.load(Ordering::Relaxed), "tally consumer stopped");
     result
 }
@@ -261,13 +273,19 @@ impl Worker<'_> {
                             ledger.apply(&t.user_id, t.version, Some(t.from), t.to);
                         }
                         if ledger.changed.is_empty() {
+                            metrics::counter!(crate::metrics::EVENTS, "result" => "replay").increment(ledger.replays);
                             self.progress.replays.fetch_add(ledger.replays, Ordering::Relaxed);
                             break;
                         }
                         let changed: Vec<&UserId> = ledger.changed.iter().collect();
                         self.progress.requests.fetch_add(1, Ordering::Relaxed);
-                        match self.stats.write(target, Some(chunk[0].target_type), read.seq, &ledger, &changed).await {
+                        let written = self.stats.write(target, Some(chunk[0].target_type), read.seq, &ledger, &changed).await;
+                        crate::metrics::cas("stats", &written);
+                        match written {
                             Cas::Applied => {
+                                metrics::counter!(crate::metrics::EVENTS, "result" => "applied").increment(chunk.len() as u64 - ledger.replays);
+                                metrics::counter!(crate::metrics::EVENTS, "result" => "replay").increment(ledger.replays);
+                                metrics::counter!(crate::metrics::GAPS).increment(ledger.gaps);
                                 self.progress.writes.fetch_add(1, Ordering::Relaxed);
                                 self.progress.replays.fetch_add(ledger.replays, Ordering::Relaxed);
                                 self.progress.gaps.fetch_add(ledger.gaps, Ordering::Relaxed);
@@ -326,6 +344,7 @@ impl Worker<'_> {
             match self.dead_letters.send(record, Timeout::After(Duration::from_secs(5))).await {
                 Ok(_) => {
                     self.progress.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!(crate::metrics::DEAD_LETTERED).increment(1);
                     tracing::warn!(partition = m.partition(), offset = m.offset(), reason, "event dead-lettered");
                     return Ok(());
                 }

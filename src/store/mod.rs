@@ -101,11 +101,21 @@ pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyho
     first.context("[applied] was not a boolean")
 }
 
+impl Store {
+    /// A cheap round trip to Cassandra, for readiness.
+    pub async fn ping(&self) -> anyhow::Result<()> {
+        self.session.execute_unpaged(&self.ping, ()).await.context("Cassandra did not answer")?;
+        Ok(())
+    }
+}
+
 /// Every prepared statement tally uses, over one session.
 pub struct Store {
     pub reactions: reactions::Reactions,
     pub stats: stats::Stats,
     pub targets: targets::Targets,
+    session: Arc<Session>,
+    ping: scylla::statement::prepared::PreparedStatement,
 }
 
 impl Store {
@@ -117,7 +127,9 @@ impl Store {
         Ok(Store {
             reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
             stats: stats::Stats::prepare(session.clone()).await?,
-            targets: targets::Targets::prepare(session).await?,
+            targets: targets::Targets::prepare(session.clone()).await?,
+            ping: session.prepare("SELECT release_version FROM system.local").await.context("prepare ping")?,
+            session,
         })
     }
 }

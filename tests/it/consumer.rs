@@ -122,6 +122,7 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
             .env("TALLY_DEAD_LETTER_TOPIC", &env.kafka.dead_letter_topic)
             .env("TALLY_CONSUMER_GROUP", &env.group)
             .env("TALLY_REDIS_PREFIX", &env.redis.prefix)
+            .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .spawn()

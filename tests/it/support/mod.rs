@@ -104,6 +104,7 @@ impl TestEnv {
             workers: 2,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             publish_timeout: Duration::from_secs(5),
+            consumer_group: self.group.clone(),
             auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
             cache_ttl: tally::cache::TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) },
             cassandra: self.cassandra.clone(),
@@ -284,6 +285,7 @@ impl TestEnv {
             parallelism: 8,
             drain_timeout: Duration::from_secs(20),
             mode: tally::consumer::WriteMode::Batched,
+            listen: "127.0.0.1:0".into(),
             cassandra: self.cassandra.clone(),
             kafka: self.kafka.clone(),
             redis: self.redis.clone(),
@@ -375,16 +377,13 @@ impl TestEnv {
 
     /// Waits until `target_stats` says exactly what `reactions` says.
     pub async fn wait_until_no_drift(&self, deadline: Duration) {
-        let mut last = (Tallies::new(), Tallies::new());
         let start = tokio::time::Instant::now();
         loop {
             let (stats, truth) = (self.stats().await, self.recount().await);
             if stats == truth {
                 return;
             }
-            last = (stats, truth);
             if start.elapsed() > deadline {
-                let (stats, truth) = last;
                 let drifted: Vec<_> = truth.iter().filter(|(t, v)| stats.get(*t) != Some(*v)).map(|(t, v)| (t, v, stats.get(t))).take(5).collect();
                 panic!("drift after {deadline:?}: (target, truth, stats) {drifted:?}");
             }
@@ -440,6 +439,7 @@ impl TestEnv {
             .env("TALLY_DEAD_LETTER_TOPIC", &self.kafka.dead_letter_topic)
             .env("TALLY_CONSUMER_GROUP", &self.group)
             .env("TALLY_REDIS_PREFIX", &self.redis.prefix)
+            .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
             .env("RUST_LOG", "warn");
         cmd
     }

@@ -1,0 +1,97 @@
+//! Prometheus metrics: every name tally exports is defined here, with the
+//! signal it serves (docs/operations.md has the thresholds).
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Signal 1: vote write latency, by outcome.
+pub const VOTE_WRITE_SECONDS: &str = "tally_vote_write_seconds";
+/// Signal 2: summary read latency.
+pub const VOTE_READ_SECONDS: &str = "tally_vote_read_seconds";
+/// Signal 3: consumer lag, per partition.
+pub const CONSUMER_LAG_MESSAGES: &str = "tally_consumer_lag_messages";
+pub const CONSUMER_LAG_SECONDS: &str = "tally_consumer_lag_seconds";
+/// Signal 3, seen from the vote API: the group's lag from committed offsets.
+pub const GROUP_LAG_MESSAGES: &str = "tally_consumer_group_lag_messages";
+pub const GROUP_LAG_SECONDS: &str = "tally_consumer_group_lag_seconds";
+/// Signal 4: count cache lookups, by result (hit, miss, error).
+pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
+/// Signal 5: conditional writes, by statement (vote, stats) and outcome
+/// (applied, not_applied, unknown, failed).
+pub const CAS: &str = "tally_cas_total";
+/// Signal 6: drift found and repaired by reconcile.
+pub const DRIFT_FOUND: &str = "tally_reconcile_drift_found_total";
+pub const DRIFT_REPAIRED: &str = "tally_reconcile_drift_repaired_total";
+pub const RECONCILE_CHECKED: &str = "tally_reconcile_targets_checked_total";
+/// Committed transitions that never reached Kafka (reconcile repairs them).
+pub const PUBLISH_FAILURES: &str = "tally_publish_failures_total";
+pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
+pub const GAPS: &str = "tally_consumer_gaps_total";
+/// Events counted by the consumer, by result (applied, replay).
+pub const EVENTS: &str = "tally_consumer_events_total";
+pub const HTTP_RESPONSES: &str = "tally_http_responses_total";
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns the handle that
+/// renders `/metrics`. Later calls (tests start many apps) reuse it.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let latency = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            match builder.install_recorder() {
+                Ok(handle) => {
+                    describe();
+                    let upkeep = handle.clone();
+                    // The exporter needs periodic upkeep to drain histograms.
+                    std::thread::spawn(move || {
+                        loop {
+                            std::thread::sleep(Duration::from_secs(5));
+                            upkeep.run_upkeep();
+                        }
+                    });
+                    handle
+                }
+                // Another recorder is installed: render an empty one.
+                Err(_) => PrometheusBuilder::new().build_recorder().handle(),
+            }
+        })
+        .clone()
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(VOTE_WRITE_SECONDS, Unit::Seconds, "POST /v1/votes latency by outcome (p95 target 100 ms)");
+    describe_histogram!(VOTE_READ_SECONDS, Unit::Seconds, "GET /v1/votes/summary latency (p95 target 20 ms)");
+    describe_gauge!(CONSUMER_LAG_MESSAGES, "messages the consumer is behind, per partition");
+    describe_gauge!(CONSUMER_LAG_SECONDS, Unit::Seconds, "age of the oldest unprocessed event, per partition");
+    describe_gauge!(GROUP_LAG_MESSAGES, "messages the consumer group is behind, per partition, from its committed offsets");
+    describe_gauge!(GROUP_LAG_SECONDS, Unit::Seconds, "age of the oldest message the group has not committed, per partition");
+    describe_counter!(CACHE_LOOKUPS, "count cache lookups by result (hit, miss, error)");
+    describe_counter!(CAS, "conditional writes by statement (vote, stats) and outcome (applied, not_applied, unknown, failed)");
+    describe_counter!(DRIFT_FOUND, "targets whose totals disagreed with the per-user rows");
+    describe_counter!(DRIFT_REPAIRED, "drifted targets repaired");
+    describe_counter!(RECONCILE_CHECKED, "targets recounted");
+    describe_counter!(PUBLISH_FAILURES, "committed transitions never published (reconcile repairs the count)");
+    describe_counter!(DEAD_LETTERED, "events sent to the dead-letter topic");
+    describe_counter!(GAPS, "transitions whose from was not the counted state (lost or reordered events)");
+    describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
+    describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
+}
+
+/// Counts a conditional write's outcome.
+pub fn cas(statement: &'static str, outcome: &crate::store::reactions::Cas) {
+    use crate::store::reactions::Cas;
+    let outcome = match outcome {
+        Cas::Applied => "applied",
+        Cas::NotApplied => "not_applied",
+        Cas::Unknown(_) => "unknown",
+        Cas::Failed(_) => "failed",
+    };
+    metrics::counter!(CAS, "statement" => statement, "outcome" => outcome).increment(1);
+}
