@@ -6,6 +6,8 @@
 #   scripts/stack.sh down     stop only the processes this script started (by pid)
 #   scripts/stack.sh status   say what runs and whether it answers
 #   scripts/stack.sh logs     print where the logs are
+#   scripts/stack.sh restart cassandra|kafka|redis
+#                             stop one server this script started and start it again (fault injection)
 #
 # Cassandra and Kafka come from Maven Central (scripts/stack/*/pom.xml); Redis
 # from Debian's redis-server package. State lives under $TALLY_STACK_DIR
@@ -270,12 +272,21 @@ main() {
             status_one kafka kafka.Kafka kafka 9092
             status_one redis redis-server redis 6379
             ;;
+        restart)
+            ensure_packages
+            case "${2:-}" in
+                cassandra) stop_one cassandra CassandraDaemon; start_cassandra ;;
+                kafka) stop_one kafka kafka.Kafka; start_kafka ;;
+                redis) stop_one redis redis-server; start_redis ;;
+                *) echo "usage: $0 restart cassandra|kafka|redis" >&2; exit 2 ;;
+            esac
+            ;;
         logs)
             echo "$LOGS"
             ls -1 "$LOGS"
             ;;
         *)
-            echo "usage: $0 up|down|status|logs" >&2
+            echo "usage: $0 up|down|status|logs|restart SERVER" >&2
             exit 2
             ;;
     esac

@@ -29,6 +29,10 @@ pub enum ApiError {
     KeyReused,
     #[error("too many concurrent changes to this user's reactions; retry")]
     Contention,
+    #[error("too many votes from this user; retry after {} s", .0.as_secs().max(1))]
+    RateLimited(std::time::Duration),
+    #[error("the service is at capacity; nothing was changed, retry")]
+    Overloaded,
     #[error("a dependency is unavailable; nothing was changed, retry with the same Idempotency-Key")]
     Unavailable(#[source] anyhow::Error),
 }
@@ -49,6 +53,8 @@ impl ApiError {
             ApiError::UnsupportedMediaType => "unsupported_media_type",
             ApiError::KeyReused => "idempotency_key_reused",
             ApiError::Contention => "contention",
+            ApiError::RateLimited(_) => "rate_limited",
+            ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
         }
     }
@@ -76,6 +82,8 @@ impl ResponseError for ApiError {
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Contention => StatusCode::CONFLICT,
+            ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -96,8 +104,11 @@ impl ResponseError for ApiError {
                     res.insert_header((header::WWW_AUTHENTICATE, v));
                 }
             }
-            ApiError::Contention | ApiError::Unavailable(_) => {
+            ApiError::Contention | ApiError::Unavailable(_) | ApiError::Overloaded => {
                 res.insert_header((header::RETRY_AFTER, "1"));
+            }
+            ApiError::RateLimited(wait) => {
+                res.insert_header((header::RETRY_AFTER, wait.as_secs().max(1).to_string()));
             }
             _ => {}
         }

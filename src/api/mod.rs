@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod error;
+pub mod limit;
 pub mod summary;
 pub mod votes;
 
@@ -48,6 +49,18 @@ pub struct ApiConfig {
     #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
 
+    /// Votes per second each user may cast (a token bucket; 429 beyond it).
+    #[arg(long = "user-rate", env = "TALLY_USER_RATE", default_value_t = 20.0)]
+    pub user_rate: f64,
+
+    /// Burst of votes a user may cast at once.
+    #[arg(long = "user-burst", env = "TALLY_USER_BURST", default_value_t = 60)]
+    pub user_burst: u32,
+
+    /// Votes processed at once; more are answered 503 with Retry-After.
+    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
+    pub max_in_flight: usize,
+
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
     #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
     pub consumer_group: String,
@@ -70,6 +83,8 @@ pub struct AppState {
     pub counts: Counts,
     pub store: Arc<Store>,
     pub reconciler: Reconciler,
+    pub limiter: limit::UserLimiter,
+    pub in_flight: tokio::sync::Semaphore,
 }
 
 /// The id of one HTTP request: the caller's `X-Request-Id` if it sent a sane
@@ -98,7 +113,9 @@ impl Application {
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
         let readiness = web::Data::new(Readiness::new(store.clone(), &config.kafka, cache.clone())?);
         let metrics = web::Data::new(crate::metrics::install());
-        let state = web::Data::new(AppState { verifier, caster, counts, store, reconciler });
+        let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
+        let in_flight = tokio::sync::Semaphore::new(config.max_in_flight.max(1));
+        let state = web::Data::new(AppState { verifier, caster, counts, store, reconciler, limiter, in_flight });
 
         tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone(), config.kafka.clone(), config.consumer_group.clone()));
 

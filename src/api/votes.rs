@@ -47,6 +47,8 @@ async fn cast_inner(
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.verifier.verify_header(header_str(req.headers(), header::AUTHORIZATION))?;
+    state.limiter.check(&caller.user).map_err(ApiError::RateLimited)?;
+    let _permit = state.in_flight.try_acquire().map_err(|_| ApiError::Overloaded)?;
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;
     let answer = state.caster.cast(&caller.user, &key, &vote, &request_id.0).await?;

@@ -169,8 +169,13 @@ pub async fn run(session: &Session, keyspace: &str, replication: &Replication) -
     Ok(report)
 }
 
+/// Schema changes wait for every node; they get far longer than queries.
+const DDL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 async fn ddl(session: &Session, stmt: &str) -> anyhow::Result<()> {
-    session.query_unpaged(stmt, ()).await.with_context(|| format!("Failed to run {stmt}"))?;
+    let mut statement = scylla::statement::unprepared::Statement::new(stmt);
+    statement.set_request_timeout(Some(DDL_TIMEOUT));
+    session.query_unpaged(statement, ()).await.with_context(|| format!("Failed to run {stmt}"))?;
     session.await_schema_agreement().await.context("Schema agreement was not reached")?;
     Ok(())
 }

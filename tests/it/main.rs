@@ -6,5 +6,6 @@ mod consumer;
 mod ops;
 mod reconcile;
 mod rejections;
+#[allow(dead_code)] // shared with tests/chaos.rs, which uses other parts
 mod support;
 mod votes;

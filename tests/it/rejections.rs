@@ -208,7 +208,7 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() {
     assert_eq!(reply.status, 200);
     let doc = reply.json();
     assert_eq!(doc["openapi"], "3.1.0");
-    for status in ["200", "400", "401", "405", "409", "413", "415", "422", "503"] {
+    for status in ["200", "400", "401", "405", "409", "413", "415", "422", "429", "503"] {
         assert!(doc["paths"]["/v1/votes"]["post"]["responses"][status].is_object(), "POST /v1/votes lacks {status}");
     }
     for status in ["200", "400", "401", "405", "503"] {
@@ -230,4 +230,27 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[tokio::test]
+async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change_nothing() {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await; // 20 votes/s per user, bursts of 60
+
+    let targets: Vec<String> = (0..100).map(|i| format!("video_{i}")).collect();
+    let replies = futures::future::join_all(targets.iter().map(|t| app.vote("flood", new_key(), t, "like"))).await;
+
+    let ok = replies.iter().filter(|r| r.status == 200).count();
+    let limited: Vec<_> = replies.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(ok + limited.len(), 100, "only 200s and 429s");
+    assert!(limited.len() >= 30, "{} limited", limited.len());
+    for r in &limited {
+        assert_eq!(r.code(), "rate_limited");
+        let wait: u64 = r.headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
+        assert!(wait >= 1, "Retry-After: {wait}");
+    }
+    assert_eq!(env.rows_of("flood").await, 2 * ok as i64, "a reaction and a key per accepted vote, nothing for refused ones");
+    assert_eq!(env.published(), ok as i64);
+    let other = app.vote("calm", new_key(), "video_0", "like").await;
+    assert_eq!(other.status, 200, "the limit is per user");
 }

@@ -41,6 +41,16 @@ impl TestEnv {
     }
 }
 
+impl TestEnv {
+    /// A fresh session, after a fault took Cassandra down and up again.
+    pub async fn reconnect(&mut self) {
+        self.session = eventually("Cassandra to accept a session", Duration::from_secs(120), || async {
+            store::connect_keyspace(&self.cassandra).await.ok()
+        })
+        .await;
+    }
+}
+
 impl Drop for TestEnv {
     fn drop(&mut self) {
         let (cassandra, kafka, redis) = (self.cassandra.clone(), self.kafka.clone(), self.redis.clone());
@@ -104,6 +114,9 @@ impl TestEnv {
             workers: 2,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             publish_timeout: Duration::from_secs(5),
+            user_rate: 20.0,
+            user_burst: 60,
+            max_in_flight: 1024,
             consumer_group: self.group.clone(),
             auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
             cache_ttl: tally::cache::TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) },
