@@ -417,9 +417,11 @@ async fn write_once(client: &reqwest::Client, base: &str, tokens: &[String], rng
 
 async fn read_once(client: &reqwest::Client, base: &str, tokens: &[String], rng: &mut Zipf) -> bool {
     let user = rng.below(tokens.len() as u64) as usize;
-    // A video page: the video and twenty of its comments.
-    let mut ids = vec![format!("t{}", rng.sample())];
-    ids.extend((0..20).map(|_| format!("c{}", rng.below(100_000))));
+    // A video page: a Zipf-popular video and the twenty comments shown under
+    // it (the same ones for the same video, as on a real page).
+    let video = rng.sample();
+    let mut ids = vec![format!("t{video}")];
+    ids.extend((0..20).map(|i| format!("c{video}_{i}")));
     let res = client
         .get(format!("{base}/v1/votes/summary?target_ids={}", ids.join(",")))
         .bearer_auth(&tokens[user])
