@@ -3,6 +3,7 @@
 
 mod smoke;
 mod consumer;
+mod fuzz;
 mod ops;
 mod reconcile;
 mod rejections;
