@@ -14,10 +14,15 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 
 scripts/stack.sh up
 
-# The OpenAPI test validates /openapi.json with a real validator from PyPI.
+# Two tests use tools from PyPI: a real OpenAPI 3.1 validator, and
+# schemathesis, which fuzzes the running API from its /openapi.json.
 if ! python3 -c 'import openapi_spec_validator' 2>/dev/null; then
     echo "[test] installing openapi-spec-validator from PyPI"
     python3 -m pip install --quiet --disable-pip-version-check 'openapi-spec-validator>=0.7,<0.8'
+fi
+if ! python3 -c 'import schemathesis' 2>/dev/null; then
+    echo "[test] installing schemathesis from PyPI"
+    python3 -m pip install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
 fi
 
 echo "[test] cargo test"

@@ -295,6 +295,42 @@ mod tests {
         assert!(matches!(verifier().verify_header(Some("Bearer ")), Err(AuthError::Malformed)));
     }
 
+    #[test]
+    fn an_hs256_token_signed_with_the_rs256_public_key_is_refused() {
+        // The classic confusion attack: the server verifies RS256 with a
+        // public key; the attacker HMACs a token with that public key.
+        let pem = include_bytes!("auth_test_rsa.pub.pem");
+        let path = std::env::temp_dir().join(format!("tally-rs256-{}.pem", std::process::id()));
+        std::fs::write(&path, pem).unwrap_or_else(|e| panic!("{e}"));
+        let config = AuthConfig { algorithm: JwtAlgorithm::Rs256, secret: None, public_key: Some(path.clone()), ..AuthConfig::hs256("unused-secret") };
+        let verifier = Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"));
+        let _ = std::fs::remove_file(&path);
+        let claims = serde_json::json!({"sub": "alice", "exp": 99_999_999_999u64});
+        let forged = jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(pem))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(verifier.verify(&forged), Err(AuthError::Invalid(_))));
+    }
+
+    #[test]
+    fn issuer_and_audience_are_required_when_configured() {
+        let config = AuthConfig { issuer: Some("https://id.example".into()), audience: Some("tally".into()), ..AuthConfig::hs256(SECRET) };
+        let verifier = Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"));
+        let sign = |claims: serde_json::Value| {
+            jsonwebtoken::encode(&Header::default(), &claims, &EncodingKey::from_secret(SECRET.as_bytes())).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let exp = 99_999_999_999u64;
+        let good = sign(serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example", "aud": "tally"}));
+        assert!(verifier.verify(&good).is_ok());
+        for bad in [
+            serde_json::json!({"sub": "a", "exp": exp, "iss": "https://evil.example", "aud": "tally"}),
+            serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example", "aud": "other"}),
+            serde_json::json!({"sub": "a", "exp": exp, "aud": "tally"}),
+            serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example"}),
+        ] {
+            assert!(matches!(verifier.verify(&sign(bad.clone())), Err(AuthError::Invalid(_))), "{bad}");
+        }
+    }
+
     /// Unpadded URL-safe base64, enough to forge a header in a test.
     mod base64_like {
         pub fn encode(input: &[u8]) -> String {

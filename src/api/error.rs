@@ -19,8 +19,8 @@ pub enum ApiError {
     Forbidden,
     #[error("no such resource")]
     NotFound,
-    #[error("method not allowed")]
-    MethodNotAllowed,
+    #[error("method not allowed; this resource supports {0}")]
+    MethodNotAllowed(&'static str),
     #[error("the request body is larger than {0} bytes")]
     TooLarge(usize),
     #[error("the request body must be application/json")]
@@ -48,7 +48,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::Forbidden => "forbidden",
             ApiError::NotFound => "not_found",
-            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::MethodNotAllowed(_) => "method_not_allowed",
             ApiError::TooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType => "unsupported_media_type",
             ApiError::KeyReused => "idempotency_key_reused",
@@ -77,7 +77,7 @@ impl ResponseError for ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden => StatusCode::FORBIDDEN,
             ApiError::NotFound => StatusCode::NOT_FOUND,
-            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
@@ -106,6 +106,9 @@ impl ResponseError for ApiError {
             }
             ApiError::Contention | ApiError::Unavailable(_) | ApiError::Overloaded => {
                 res.insert_header((header::RETRY_AFTER, "1"));
+            }
+            ApiError::MethodNotAllowed(allow) => {
+                res.insert_header((header::ALLOW, *allow));
             }
             ApiError::RateLimited(wait) => {
                 res.insert_header((header::RETRY_AFTER, wait.as_secs().max(1).to_string()));

@@ -127,16 +127,16 @@ impl Application {
                 .app_data(readiness.clone())
                 .app_data(metrics.clone())
                 .wrap(from_fn(request_id))
-                .service(web::resource("/v1/votes").route(web::post().to(votes::cast)).default_service(web::to(method_not_allowed)))
+                .service(web::resource("/v1/votes").route(web::post().to(votes::cast)).default_service(web::to(only_post)))
                 .service(
                     web::resource("/v1/votes/summary")
                         .route(web::get().to(summary::summary))
-                        .default_service(web::to(method_not_allowed)),
+                        .default_service(web::to(only_get)),
                 )
                 .service(
                     web::resource("/v1/admin/reconcile/{target_id}")
                         .route(web::post().to(admin::reconcile))
-                        .default_service(web::to(method_not_allowed)),
+                        .default_service(web::to(only_post)),
                 )
                 .route("/openapi.json", web::get().to(openapi))
                 .route("/metrics", web::get().to(ops::metrics))
@@ -164,8 +164,12 @@ async fn not_found() -> Result<HttpResponse, ApiError> {
     Err(ApiError::NotFound)
 }
 
-async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
-    Err(ApiError::MethodNotAllowed)
+async fn only_post() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed("POST"))
+}
+
+async fn only_get() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed("GET"))
 }
 
 /// The OpenAPI 3.1 description of this API, kept beside the handlers.

@@ -100,6 +100,9 @@ async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
 
     for case in &cases {
         let reply = app.send((case.request)(&app)).await;
+        if case.status == 405 {
+            assert_eq!(reply.headers.get("allow").map(|v| v.as_bytes()), Some(&b"POST"[..]), "405 names the allowed method");
+        }
         assert_eq!(reply.status, case.status, "{}: {reply:?}", case.name);
         assert_eq!(reply.code(), case.code, "{}: {}", case.name, reply.body);
         assert!(
