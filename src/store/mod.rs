@@ -83,6 +83,48 @@ pub async fn connect_keyspace(config: &CassandraConfig) -> anyhow::Result<Sessio
     Ok(session)
 }
 
+/// Wraps any driver error as `Unavailable`.
+pub(crate) fn unavailable<E: Into<anyhow::Error>>(e: E) -> reactions::Unavailable {
+    reactions::Unavailable(e.into())
+}
+
+/// Runs a prepared statement and reads its first row, if any.
+pub(crate) async fn first_row<T, V>(
+    session: &Session,
+    stmt: &scylla::statement::prepared::PreparedStatement,
+    values: V,
+) -> Result<Option<T>, reactions::Unavailable>
+where
+    T: for<'f> scylla::deserialize::row::DeserializeRow<'f, 'f>,
+    V: scylla::serialize::row::SerializeRow,
+{
+    let result = session.execute_unpaged(stmt, values).await.map_err(unavailable)?;
+    result.into_rows_result().map_err(unavailable)?.maybe_first_row::<T>().map_err(unavailable)
+}
+
+/// Runs a prepared statement and reads every row, page by page (never one
+/// unpaged result of unknown size).
+pub(crate) async fn all_rows<T, V>(
+    session: &Session,
+    stmt: &scylla::statement::prepared::PreparedStatement,
+    values: V,
+) -> Result<Vec<T>, reactions::Unavailable>
+where
+    T: for<'f, 'm> scylla::deserialize::row::DeserializeRow<'f, 'm> + 'static,
+    V: scylla::serialize::row::SerializeRow,
+{
+    use futures::TryStreamExt;
+    session
+        .execute_iter(stmt.clone(), values)
+        .await
+        .map_err(unavailable)?
+        .rows_stream::<T>()
+        .map_err(unavailable)?
+        .try_collect()
+        .await
+        .map_err(unavailable)
+}
+
 /// Reads `[applied]` from the result of a conditional statement or batch.
 /// Cassandra returns only `[applied]` when the condition held, but the
 /// current values of the conditioned rows (a varying set of columns) when it

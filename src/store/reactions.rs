@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
-use futures::TryStreamExt;
 use scylla::client::session::Session;
 use scylla::errors::{DbError, ExecutionError, RequestAttemptError};
 use scylla::statement::batch::{Batch, BatchType};
@@ -167,15 +166,9 @@ impl Reactions {
         let stmt = if serial { &self.snapshot_serial } else { &self.snapshot };
         let key_row = key_row(key);
         type Row = (String, Option<String>, Option<i64>, Option<String>, Option<Uuid>, Option<i32>, Option<String>);
-        let result = self
-            .session
-            .execute_unpaged(stmt, (user.as_str(), target.as_str(), key_row.as_str()))
-            .await
-            .map_err(|e| Unavailable(e.into()))?;
-        let rows = result.into_rows_result().map_err(|e| Unavailable(e.into()))?;
+        let rows: Vec<Row> = super::all_rows(&self.session, stmt, (user.as_str(), target.as_str(), key_row.as_str())).await?;
         let mut snap = Snapshot::default();
-        for row in rows.rows::<Row>().map_err(|e| Unavailable(e.into()))? {
-            let (clustering, state, version, hash, owner, status, body) = row.map_err(|e| Unavailable(e.into()))?;
+        for (clustering, state, version, hash, owner, status, body) in rows {
             if clustering == key_row {
                 if let (Some(request_hash), Some(owner), Some(status), Some(body)) = (hash, owner, status, body) {
                     let status = u16::try_from(status).unwrap_or(200);
@@ -229,16 +222,7 @@ impl Reactions {
     /// single-partition query.
     pub async fn states(&self, user: &UserId, targets: &[TargetId]) -> Result<HashMap<TargetId, Reaction>, Unavailable> {
         let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
-        let rows: Vec<(String, Option<String>)> = self
-            .session
-            .execute_iter(self.states.clone(), (user.as_str(), ids))
-            .await
-            .map_err(|e| Unavailable(e.into()))?
-            .rows_stream::<(String, Option<String>)>()
-            .map_err(|e| Unavailable(e.into()))?
-            .try_collect()
-            .await
-            .map_err(|e| Unavailable(e.into()))?;
+        let rows: Vec<(String, Option<String>)> = super::all_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
         let mut out = HashMap::new();
         for (target, state) in rows {
             if let (Ok(target), Some(Ok(state))) = (TargetId::parse(&target), state.map(|s| s.parse::<Reaction>())) {
@@ -253,16 +237,7 @@ impl Reactions {
     /// Every user's (state, version) for one target, paged through the
     /// SAI index: the truth reconcile counts from.
     pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Current)>, Unavailable> {
-        let rows: Vec<(String, Option<String>, Option<i64>)> = self
-            .session
-            .execute_iter(self.by_target.clone(), (target.as_str(),))
-            .await
-            .map_err(|e| Unavailable(e.into()))?
-            .rows_stream::<(String, Option<String>, Option<i64>)>()
-            .map_err(|e| Unavailable(e.into()))?
-            .try_collect()
-            .await
-            .map_err(|e| Unavailable(e.into()))?;
+        let rows: Vec<(String, Option<String>, Option<i64>)> = super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
         let mut out = Vec::with_capacity(rows.len());
         for (user, state, version) in rows {
             let (Ok(user), Some(Ok(state)), Some(version)) = (UserId::parse(&user), state.map(|s| s.parse()), version) else {

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
-use futures::TryStreamExt;
 use scylla::client::session::Session;
 use scylla::serialize::SerializationError;
 use scylla::serialize::row::{RowSerializationContext, SerializeRow};
@@ -78,15 +77,7 @@ impl Stats {
     }
 
     async fn head(&self, stmt: &PreparedStatement, target: &TargetId) -> Result<(Option<i64>, Totals), Unavailable> {
-        let row = self
-            .session
-            .execute_unpaged(stmt, (target.as_str(),))
-            .await
-            .map_err(|e| Unavailable(e.into()))?
-            .into_rows_result()
-            .map_err(|e| Unavailable(e.into()))?
-            .maybe_first_row::<(Option<i64>, Option<i64>, Option<i64>)>()
-            .map_err(|e| Unavailable(e.into()))?;
+        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> = super::first_row(&self.session, stmt, (target.as_str(),)).await?;
         let (likes, dislikes, seq) = row.unwrap_or((None, None, None));
         Ok((seq, Totals { likes: likes.unwrap_or(0), dislikes: dislikes.unwrap_or(0) }))
     }
@@ -96,23 +87,17 @@ impl Stats {
     pub async fn read(&self, target: &TargetId, users: Option<&[&UserId]>, serial: bool) -> Result<TargetRead, Unavailable> {
         let i = usize::from(serial);
         let head = self.head(&self.head[i], target);
+        // A partition holding only its static columns answers one row with a
+        // null user_id.
+        type Row = (Option<String>, Option<i64>, Option<String>);
         let rows = async {
-            let pager = match users {
+            match users {
                 Some(users) => {
                     let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
-                    self.session.execute_iter(self.users[i].clone(), (target.as_str(), ids)).await
+                    super::all_rows::<Row, _>(&self.session, &self.users[i], (target.as_str(), ids)).await
                 }
-                None => self.session.execute_iter(self.all_users.clone(), (target.as_str(),)).await,
-            };
-            pager
-                .map_err(|e| Unavailable(e.into()))?
-                // A partition holding only its static columns answers one row
-                // with a null user_id.
-                .rows_stream::<(Option<String>, Option<i64>, Option<String>)>()
-                .map_err(|e| Unavailable(e.into()))?
-                .try_collect::<Vec<_>>()
-                .await
-                .map_err(|e| Unavailable(e.into()))
+                None => super::all_rows::<Row, _>(&self.session, &self.all_users, (target.as_str(),)).await,
+            }
         };
         let ((seq, totals), rows) = futures::try_join!(head, rows)?;
         let mut applied = HashMap::new();

@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::collections::HashSet;
 
 use anyhow::Context;
-use futures::TryStreamExt;
 use scylla::client::session::Session;
 use scylla::statement::prepared::PreparedStatement;
 
@@ -71,7 +70,7 @@ impl Targets {
         self.session
             .execute_unpaged(&self.register, (target.as_str(), kind.as_str()))
             .await
-            .map_err(|e| Unavailable(e.into()))?;
+            .map_err(super::unavailable)?;
         if let Ok(mut s) = self.registered.lock() {
             if s.len() >= REMEMBERED {
                 s.clear();
@@ -83,30 +82,15 @@ impl Targets {
 
     /// The next `limit` targets after `after` in token order, with their tokens.
     pub async fn page(&self, after: Option<i64>, limit: i32) -> Result<Vec<(TargetId, i64)>, Unavailable> {
-        let pager = match after {
-            None => self.session.execute_iter(self.first_page.clone(), (limit,)).await,
-            Some(t) => self.session.execute_iter(self.next_page.clone(), (t, limit)).await,
+        let rows: Vec<(String, i64)> = match after {
+            None => super::all_rows(&self.session, &self.first_page, (limit,)).await?,
+            Some(t) => super::all_rows(&self.session, &self.next_page, (t, limit)).await?,
         };
-        let rows: Vec<(String, i64)> = pager
-            .map_err(|e| Unavailable(e.into()))?
-            .rows_stream::<(String, i64)>()
-            .map_err(|e| Unavailable(e.into()))?
-            .try_collect()
-            .await
-            .map_err(|e| Unavailable(e.into()))?;
         Ok(rows.into_iter().filter_map(|(t, tok)| TargetId::parse(&t).ok().map(|t| (t, tok))).collect())
     }
 
     pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, Unavailable> {
-        let row = self
-            .session
-            .execute_unpaged(&self.read_checkpoint, (name,))
-            .await
-            .map_err(|e| Unavailable(e.into()))?
-            .into_rows_result()
-            .map_err(|e| Unavailable(e.into()))?
-            .maybe_first_row::<(Option<i64>, Option<i64>, Option<i64>)>()
-            .map_err(|e| Unavailable(e.into()))?;
+        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> = super::first_row(&self.session, &self.read_checkpoint, (name,)).await?;
         Ok(row.map(|(last_token, checked, drifted)| Checkpoint {
             last_token,
             checked: checked.unwrap_or(0),
@@ -118,12 +102,12 @@ impl Targets {
         self.session
             .execute_unpaged(&self.write_checkpoint, (name, c.last_token, c.checked, c.drifted))
             .await
-            .map_err(|e| Unavailable(e.into()))?;
+            .map_err(super::unavailable)?;
         Ok(())
     }
 
     pub async fn clear_checkpoint(&self, name: &str) -> Result<(), Unavailable> {
-        self.session.execute_unpaged(&self.delete_checkpoint, (name,)).await.map_err(|e| Unavailable(e.into()))?;
+        self.session.execute_unpaged(&self.delete_checkpoint, (name,)).await.map_err(super::unavailable)?;
         Ok(())
     }
 }
