@@ -369,26 +369,36 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     assert!(drift_after.is_empty(), "drift after reconcile: {:?}", &drift_after[..drift_after.len().min(5)]);
 
     // Cached totals equal the truth once entries have expired (TTL 3-5 s)
-    // and refilled from the repaired durable totals.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // and refilled from the repaired durable totals: polled, not slept.
     let ids: Vec<&String> = truth.keys().collect();
-    let mut cache_mismatches = Vec::new();
-    for chunk in ids.chunks(100) {
-        let list = chunk.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",");
-        let res = client.get(format!("{base}/v1/votes/summary?target_ids={list}")).bearer_auth(token("checker")).send().await;
-        let body: serde_json::Value = match res {
-            Ok(r) => r.json().await.unwrap_or_default(),
-            Err(e) => panic!("summary failed: {e}"),
-        };
-        for t in chunk {
-            let (likes, dislikes, _) = &truth[*t];
-            let item = &body["items"][t.as_str()];
-            if item["likes"].as_i64() != Some(*likes) || item["dislikes"].as_i64() != Some(*dislikes) {
-                cache_mismatches.push(format!("{t}: served {item}, truth {likes}/{dislikes}"));
+    let polling = Instant::now();
+    loop {
+        let mut cache_mismatches = Vec::new();
+        for chunk in ids.chunks(100) {
+            let list = chunk.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",");
+            let res = client.get(format!("{base}/v1/votes/summary?target_ids={list}")).bearer_auth(token("checker")).send().await;
+            let body: serde_json::Value = match res {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(e) => panic!("summary failed: {e}"),
+            };
+            for t in chunk {
+                let (likes, dislikes, _) = &truth[*t];
+                let item = &body["items"][t.as_str()];
+                if item["likes"].as_i64() != Some(*likes) || item["dislikes"].as_i64() != Some(*dislikes) {
+                    cache_mismatches.push(format!("{t}: served {item}, truth {likes}/{dislikes}"));
+                }
             }
         }
+        if cache_mismatches.is_empty() {
+            break;
+        }
+        assert!(
+            polling.elapsed() < Duration::from_secs(30),
+            "cached totals still differ 30 s after reconcile (TTL at most 5 s): {:?}",
+            &cache_mismatches[..cache_mismatches.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert!(cache_mismatches.is_empty(), "cached totals differ: {:?}", &cache_mismatches[..cache_mismatches.len().min(5)]);
 
     let count = |f: fn(&Outcome) -> bool| ops.iter().filter(|o| f(&o.outcome)).count();
     let mut failed_by_status: BTreeMap<u16, usize> = BTreeMap::new();
