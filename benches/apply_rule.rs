@@ -6,7 +6,12 @@ use tally::domain::{Applied, Outcome, Reaction, Totals, apply};
 
 fn apply_rule(c: &mut Criterion) {
     // One user's history replayed twice: half the events are duplicates.
-    let states = [Reaction::Like, Reaction::Dislike, Reaction::None, Reaction::Like];
+    let states = [
+        Reaction::Like,
+        Reaction::Dislike,
+        Reaction::None,
+        Reaction::Like,
+    ];
     let events: Vec<(i64, Reaction, Reaction)> = (0..1000)
         .map(|i| (i as i64 % 500 + 1, states[i % 4], states[(i + 1) % 4]))
         .collect();

@@ -33,7 +33,10 @@ use tally::store::Store;
 use tally::store::reactions::{Cas, Change, KeyRecord};
 
 fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -83,7 +86,10 @@ fn main() {
         return;
     }
     let which = std::env::var("TALLY_BENCH").unwrap_or_else(|_| "all".into());
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut results = Results {
         date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         commit: std::process::Command::new("git")
@@ -112,8 +118,16 @@ fn main() {
 async fn store_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_SECS", 15);
     let env = bench_env("load_store", 1).await;
-    let store = Arc::new(Store::open(&env.cassandra, Duration::from_secs(3600)).await.unwrap_or_else(|e| panic!("{e:#}")));
-    let session = Arc::new(tally::store::connect_keyspace(&env.cassandra).await.unwrap_or_else(|e| panic!("{e:#}")));
+    let store = Arc::new(
+        Store::open(&env.cassandra, Duration::from_secs(3600))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}")),
+    );
+    let session = Arc::new(
+        tally::store::connect_keyspace(&env.cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}")),
+    );
     let upsert = session
         .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, ?)")
         .await
@@ -129,14 +143,24 @@ async fn store_section(results: &mut Results) {
         let (unknown, conflicts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let mut tasks = Vec::new();
         for w in 0..64u64 {
-            let (store, session, upsert, unknown, conflicts) = (store.clone(), session.clone(), upsert.clone(), unknown.clone(), conflicts.clone());
+            let (store, session, upsert, unknown, conflicts) = (
+                store.clone(),
+                session.clone(),
+                upsert.clone(),
+                unknown.clone(),
+                conflicts.clone(),
+            );
             tasks.push(tokio::spawn(async move {
                 let mut rng = Zipf::new(1, 1.0, w + 1);
                 let mut h = histogram();
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     let user = format!("u{}", rng.below(20_000));
-                    let target = if hot && rng.uniform() < 0.9 { "viral".to_owned() } else { format!("t{}", rng.below(10_000)) };
+                    let target = if hot && rng.uniform() < 0.9 {
+                        "viral".to_owned()
+                    } else {
+                        format!("t{}", rng.below(10_000))
+                    };
                     let start = Instant::now();
                     if lwt {
                         match lwt_vote(&store, &user, &target, w * 1_000_000 + n).await {
@@ -151,7 +175,10 @@ async fn store_section(results: &mut Results) {
                         }
                     } else {
                         let state = if n % 2 == 0 { "like" } else { "none" };
-                        session.execute_unpaged(&upsert, (&user, &target, "video", state, n as i64)).await.unwrap_or_else(|e| panic!("{e}"));
+                        session
+                            .execute_unpaged(&upsert, (&user, &target, "video", state, n as i64))
+                            .await
+                            .unwrap_or_else(|e| panic!("{e}"));
                     }
                     let _ = h.record(start.elapsed().as_micros() as u64);
                     n += 1;
@@ -180,16 +207,36 @@ async fn store_section(results: &mut Results) {
 /// One vote through the store, as `cast` does it: the snapshot read, then the
 /// conditional batch with an idempotency record.
 async fn lwt_vote(store: &Store, user: &str, target: &str, n: u64) -> Cas {
-    let (user, target) = (UserId::parse(user).unwrap_or_else(|e| panic!("{e}")), TargetId::parse(target).unwrap_or_else(|e| panic!("{e}")));
+    let (user, target) = (
+        UserId::parse(user).unwrap_or_else(|e| panic!("{e}")),
+        TargetId::parse(target).unwrap_or_else(|e| panic!("{e}")),
+    );
     let key = IdempotencyKey::parse(&format!("k{n}")).unwrap_or_else(|e| panic!("{e}"));
     let snap = match store.reactions.snapshot(&user, &target, &key, false).await {
         Ok(s) => s,
         Err(e) => return Cas::Unknown(e.into()),
     };
     let from = snap.current.map_or(Reaction::None, |c| c.state);
-    let to = if from == Reaction::Like { Reaction::Dislike } else { Reaction::Like };
-    let record = KeyRecord { request_hash: "h".into(), owner: uuid::Uuid::new_v4(), status: 200, body: "{}".into() };
-    let change = Change { user: &user, target: &target, target_type: TargetType::Video, expected: snap.current.map(|c| c.version), to, key: &key, record: &record };
+    let to = if from == Reaction::Like {
+        Reaction::Dislike
+    } else {
+        Reaction::Like
+    };
+    let record = KeyRecord {
+        request_hash: "h".into(),
+        owner: uuid::Uuid::new_v4(),
+        status: 200,
+        body: "{}".into(),
+    };
+    let change = Change {
+        user: &user,
+        target: &target,
+        target_type: TargetType::Video,
+        expected: snap.current.map(|c| c.version),
+        to,
+        key: &key,
+        record: &record,
+    };
     store.reactions.commit(&change).await
 }
 
@@ -204,15 +251,27 @@ async fn consumer_section(results: &mut Results) {
     let baseline_env = bench_env("load_consumer_base", 1).await;
 
     eprintln!("consumer: producing {n_events} Zipf(1.1) transitions over 10,000 targets");
-    let producer: FutureProducer = env.kafka.client().set("linger.ms", "20").create().unwrap_or_else(|e| panic!("{e}"));
+    let producer: FutureProducer = env
+        .kafka
+        .client()
+        .set("linger.ms", "20")
+        .create()
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut zipf = Zipf::new(10_000, 1.1, 42);
     let mut state: HashMap<(u32, usize), (i64, Reaction)> = HashMap::new();
     let mut pending = futures::stream::FuturesUnordered::new();
     for _ in 0..n_events {
         let target = zipf.sample();
         let user = zipf.below(50_000) as u32;
-        let (version, from) = state.get(&(user, target)).copied().unwrap_or((0, Reaction::None));
-        let to = Reaction::ALL.into_iter().filter(|r| *r != from).nth(zipf.below(2) as usize).unwrap_or(Reaction::Like);
+        let (version, from) = state
+            .get(&(user, target))
+            .copied()
+            .unwrap_or((0, Reaction::None));
+        let to = Reaction::ALL
+            .into_iter()
+            .filter(|r| *r != from)
+            .nth(zipf.below(2) as usize)
+            .unwrap_or(Reaction::Like);
         state.insert((user, target), (version + 1, to));
         let payload = serde_json::json!({
             "target_id": format!("t{target}"), "target_type": "video", "user_id": format!("u{user}"),
@@ -223,7 +282,14 @@ async fn consumer_section(results: &mut Results) {
         let producer = producer.clone();
         let topic = env.kafka.topic.clone();
         pending.push(async move {
-            producer.send(FutureRecord::to(&topic).key(&key).payload(&payload), Duration::from_secs(30)).await.map(|_| ()).map_err(|(e, _)| e)
+            producer
+                .send(
+                    FutureRecord::to(&topic).key(&key).payload(&payload),
+                    Duration::from_secs(30),
+                )
+                .await
+                .map(|_| ())
+                .map_err(|(e, _)| e)
         });
         if pending.len() >= 5000 {
             use futures::StreamExt;
@@ -241,9 +307,16 @@ async fn consumer_section(results: &mut Results) {
 
     for (mode, cassandra, limit) in [
         (tally::consumer::WriteMode::Batched, &env.cassandra, None),
-        (tally::consumer::WriteMode::PerEvent, &baseline_env.cassandra, Some(Duration::from_secs(baseline_secs))),
+        (
+            tally::consumer::WriteMode::PerEvent,
+            &baseline_env.cassandra,
+            Some(Duration::from_secs(baseline_secs)),
+        ),
     ] {
-        eprintln!("consumer: counting in {mode:?} mode{}", limit.map_or(String::new(), |l| format!(" for at most {}s", l.as_secs())));
+        eprintln!(
+            "consumer: counting in {mode:?} mode{}",
+            limit.map_or(String::new(), |l| format!(" for at most {}s", l.as_secs()))
+        );
         let config = tally::consumer::ConsumerConfig {
             group: format!("bench-{mode:?}-{}", std::process::id()),
             batch_max: 500,
@@ -260,7 +333,9 @@ async fn consumer_section(results: &mut Results) {
         let progress = Arc::new(tally::consumer::Progress::default());
         let started = Instant::now();
         let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
-        while progress.processed.load(Ordering::Relaxed) < n_events && limit.is_none_or(|l| started.elapsed() < l) {
+        while progress.processed.load(Ordering::Relaxed) < n_events
+            && limit.is_none_or(|l| started.elapsed() < l)
+        {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let seconds = started.elapsed().as_secs_f64();
@@ -298,12 +373,17 @@ async fn e2e_section(results: &mut Results) {
         max_in_flight: 4096,
         consumer_group: format!("bench-e2e-{}", std::process::id()),
         auth: tally::auth::AuthConfig::hs256(SECRET),
-        cache_ttl: tally::cache::TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) },
+        cache_ttl: tally::cache::TtlPolicy {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+        },
         cassandra: env.cassandra.clone(),
         kafka: env.kafka.clone(),
         redis: env.redis.clone(),
     };
-    let app = tally::api::Application::build(api).await.unwrap_or_else(|e| panic!("{e:#}"));
+    let app = tally::api::Application::build(api)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let (stop, rx) = tokio::sync::watch::channel(false);
@@ -323,11 +403,21 @@ async fn e2e_section(results: &mut Results) {
 
     let tokens: Arc<Vec<String>> = Arc::new(
         (0..2000)
-            .map(|i| tally::auth::mint(&tally::auth::AuthConfig::hs256(SECRET), &format!("u{i}"), Duration::from_secs(7200), vec![]))
+            .map(|i| {
+                tally::auth::mint(
+                    &tally::auth::AuthConfig::hs256(SECRET),
+                    &format!("u{i}"),
+                    Duration::from_secs(7200),
+                    vec![],
+                )
+            })
             .collect::<Result<_, _>>()
             .unwrap_or_else(|e| panic!("{e:#}")),
     );
-    let client = reqwest::Client::builder().pool_max_idle_per_host(512).build().unwrap_or_else(|e| panic!("{e}"));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
 
     // Closed loop, 64 in flight: the API's saturation throughput, to set
     // against the store's bare conditional-write rate.
@@ -366,14 +456,17 @@ async fn e2e_section(results: &mut Results) {
 
     for rate in [50, 100, 200, 300, 400, 600, 800] {
         eprintln!("e2e: writes, open loop at {rate}/s for {secs}s");
-        let step = open_loop(rate, secs, {
-            let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
-            move |i| {
+        let step =
+            open_loop(rate, secs, {
                 let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
-                async move { write_once(&client, &base, &tokens, &mut Zipf::new(10_000, 1.1, i)).await }
-            }
-        })
-        .await;
+                move |i| {
+                    let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
+                    async move {
+                        write_once(&client, &base, &tokens, &mut Zipf::new(10_000, 1.1, i)).await
+                    }
+                }
+            })
+            .await;
         let overloaded = step.latency_ms.p95 > 300.0;
         results.e2e_writes.push(step);
         if overloaded {
@@ -382,14 +475,17 @@ async fn e2e_section(results: &mut Results) {
     }
     for rate in [100, 200, 400, 800, 1200, 1600, 2400] {
         eprintln!("e2e: summary reads of 21 ids, open loop at {rate}/s for {secs}s");
-        let step = open_loop(rate, secs, {
-            let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
-            move |i| {
+        let step =
+            open_loop(rate, secs, {
                 let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
-                async move { read_once(&client, &base, &tokens, &mut Zipf::new(10_000, 1.1, i)).await }
-            }
-        })
-        .await;
+                move |i| {
+                    let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
+                    async move {
+                        read_once(&client, &base, &tokens, &mut Zipf::new(10_000, 1.1, i)).await
+                    }
+                }
+            })
+            .await;
         let overloaded = step.latency_ms.p95 > 60.0;
         results.e2e_reads.push(step);
         if overloaded {
@@ -401,7 +497,12 @@ async fn e2e_section(results: &mut Results) {
     env.drop_all().await;
 }
 
-async fn write_once(client: &reqwest::Client, base: &str, tokens: &[String], rng: &mut Zipf) -> bool {
+async fn write_once(
+    client: &reqwest::Client,
+    base: &str,
+    tokens: &[String],
+    rng: &mut Zipf,
+) -> bool {
     let user = rng.below(tokens.len() as u64) as usize;
     let target = rng.sample();
     let action = ["like", "dislike", "none"][rng.below(3) as usize];
@@ -415,7 +516,12 @@ async fn write_once(client: &reqwest::Client, base: &str, tokens: &[String], rng
     matches!(res, Ok(r) if r.status().is_success())
 }
 
-async fn read_once(client: &reqwest::Client, base: &str, tokens: &[String], rng: &mut Zipf) -> bool {
+async fn read_once(
+    client: &reqwest::Client,
+    base: &str,
+    tokens: &[String],
+    rng: &mut Zipf,
+) -> bool {
     let user = rng.below(tokens.len() as u64) as usize;
     // A video page: a Zipf-popular video and the twenty comments shown under
     // it (the same ones for the same video, as on a real page).
@@ -423,7 +529,10 @@ async fn read_once(client: &reqwest::Client, base: &str, tokens: &[String], rng:
     let mut ids = vec![format!("t{video}")];
     ids.extend((0..20).map(|i| format!("c{video}_{i}")));
     let res = client
-        .get(format!("{base}/v1/votes/summary?target_ids={}", ids.join(",")))
+        .get(format!(
+            "{base}/v1/votes/summary?target_ids={}",
+            ids.join(",")
+        ))
         .bearer_auth(&tokens[user])
         .send()
         .await;
@@ -446,7 +555,9 @@ where
         tokio::time::sleep_until(scheduled).await;
         let fut = request(i + 7);
         handles.push(tokio::spawn(async move {
-            let ok = tokio::time::timeout(Duration::from_secs(10), fut).await.unwrap_or(false);
+            let ok = tokio::time::timeout(Duration::from_secs(10), fut)
+                .await
+                .unwrap_or(false);
             (scheduled.elapsed(), ok)
         }));
     }
@@ -461,7 +572,12 @@ where
         last_done = last_done.max(tokio::time::Instant::now());
     }
     let achieved = total as f64 / (last_done - start).as_secs_f64().max(secs as f64);
-    RateStep { rate, achieved, latency_ms: percentiles(&h), errors }
+    RateStep {
+        rate,
+        achieved,
+        latency_ms: percentiles(&h),
+        errors,
+    }
 }
 
 // ---------------------------------------------------------------- report
@@ -470,10 +586,17 @@ fn report(r: &Results) {
     let mut md = String::new();
     let _ = writeln!(md, "Run {} at commit {}\n", r.date, r.commit);
     if !r.store.is_empty() {
-        let _ = writeln!(md, "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts |\n|---|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            md,
+            "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
         for s in &r.store {
             let l = s.latency_ms;
-            let _ = writeln!(md, "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |", s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts);
+            let _ = writeln!(
+                md,
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts
+            );
         }
         if let [upsert, uniform, hot] = &r.store[..] {
             let _ = writeln!(
@@ -486,9 +609,21 @@ fn report(r: &Results) {
         }
     }
     if !r.consumer.is_empty() {
-        let _ = writeln!(md, "| consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            md,
+            "| consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---:|---:|---:|---:|---:|"
+        );
         for c in &r.consumer {
-            let _ = writeln!(md, "| {} | {} | {:.1} | {:.0} | {:.3} | {} |", c.mode, c.events, c.seconds, c.events_per_sec, c.requests_per_event, c.fenced_writes);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.1} | {:.0} | {:.3} | {} |",
+                c.mode,
+                c.events,
+                c.seconds,
+                c.events_per_sec,
+                c.requests_per_event,
+                c.fenced_writes
+            );
         }
         if let [batched, per_event] = &r.consumer[..] {
             let _ = writeln!(
@@ -499,30 +634,57 @@ fn report(r: &Results) {
             );
         }
     }
-    for (name, steps, target) in [("writes (POST /v1/votes)", &r.e2e_writes, 100.0), ("reads (summary, 21 ids)", &r.e2e_reads, 20.0)] {
+    for (name, steps, target) in [
+        ("writes (POST /v1/votes)", &r.e2e_writes, 100.0),
+        ("reads (summary, 21 ids)", &r.e2e_reads, 20.0),
+    ] {
         if steps.is_empty() {
             continue;
         }
-        let _ = writeln!(md, "| e2e {name}, open loop | target/s | achieved/s | p50 ms | p95 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            md,
+            "| e2e {name}, open loop | target/s | achieved/s | p50 ms | p95 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
         for s in steps.iter() {
             let l = s.latency_ms;
-            let _ = writeln!(md, "| | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |", s.rate, s.achieved, l.p50, l.p95, l.p99, s.errors);
+            let _ = writeln!(
+                md,
+                "| | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |",
+                s.rate, s.achieved, l.p50, l.p95, l.p99, s.errors
+            );
         }
-        let best = steps.iter().filter(|s| s.latency_ms.p95 < target && (s.errors as f64) < 0.01 * s.latency_ms.count as f64).map(|s| s.rate).max();
-        let _ = writeln!(md, "\nHighest rate with p95 under {target} ms: {}\n", best.map_or("none tried".into(), |b| format!("{b}/s")));
+        let best = steps
+            .iter()
+            .filter(|s| {
+                s.latency_ms.p95 < target && (s.errors as f64) < 0.01 * s.latency_ms.count as f64
+            })
+            .map(|s| s.rate)
+            .max();
+        let _ = writeln!(
+            md,
+            "\nHighest rate with p95 under {target} ms: {}\n",
+            best.map_or("none tried".into(), |b| format!("{b}/s"))
+        );
     }
     if let (Some(api), Some(bare)) = (&r.e2e_closed_loop_writes, r.store.get(1)) {
         let _ = writeln!(
             md,
             "Vote API closed loop (64 in flight): {:.0} votes/s, p95 {:.1} ms, {} errors; store bare LWT rate {:.0}/s; API / store: {:.2}x",
-            api.ops_per_sec, api.latency_ms.p95, api.conflicts, bare.ops_per_sec, api.ops_per_sec / bare.ops_per_sec
+            api.ops_per_sec,
+            api.latency_ms.p95,
+            api.conflicts,
+            bare.ops_per_sec,
+            api.ops_per_sec / bare.ops_per_sec
         );
     }
     println!("{md}");
 
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tally-bench");
     let _ = std::fs::create_dir_all(&dir);
-    let _ = std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(r).unwrap_or_default());
+    let _ = std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(r).unwrap_or_default(),
+    );
     let _ = std::fs::write(dir.join("results.md"), &md);
     let _ = std::fs::write(dir.join("latency.svg"), svg(r));
     eprintln!("results in {}", dir.display());
@@ -530,13 +692,27 @@ fn report(r: &Results) {
 
 /// Latency percentiles of every measured scenario as grouped bars.
 fn svg(r: &Results) -> String {
-    let mut rows: Vec<(String, Percentiles)> = r.store.iter().map(|s| (format!("store: {}", s.name), s.latency_ms)).collect();
+    let mut rows: Vec<(String, Percentiles)> = r
+        .store
+        .iter()
+        .map(|s| (format!("store: {}", s.name), s.latency_ms))
+        .collect();
     if let Some(api) = &r.e2e_closed_loop_writes {
         rows.push(("API writes, 64 in flight".into(), api.latency_ms));
     }
-    for (name, steps, target) in [("API writes", &r.e2e_writes, 100.0), ("API reads (21 ids)", &r.e2e_reads, 20.0)] {
-        if let Some(best) = steps.iter().filter(|s| s.latency_ms.p95 < target).max_by_key(|s| s.rate) {
-            rows.push((format!("{name}, open loop {}/s", best.rate), best.latency_ms));
+    for (name, steps, target) in [
+        ("API writes", &r.e2e_writes, 100.0),
+        ("API reads (21 ids)", &r.e2e_reads, 20.0),
+    ] {
+        if let Some(best) = steps
+            .iter()
+            .filter(|s| s.latency_ms.p95 < target)
+            .max_by_key(|s| s.rate)
+        {
+            rows.push((
+                format!("{name}, open loop {}/s", best.rate),
+                best.latency_ms,
+            ));
         }
     }
     let max = rows.iter().map(|(_, p)| p.p99).fold(1.0, f64::max);
@@ -549,14 +725,30 @@ fn svg(r: &Results) -> String {
     );
     for (i, (name, p)) in rows.iter().enumerate() {
         let y = 40.0 + i as f64 * row_h;
-        let _ = writeln!(s, "<text x='10' y='{:.0}'>{}</text>", y + 20.0, name.replace('&', "and").replace('<', "(").replace('>', ")"));
-        for (j, (label, v, color)) in [("p50", p.p50, "#4c78a8"), ("p95", p.p95, "#f58518"), ("p99", p.p99, "#e45756")].iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "<text x='10' y='{:.0}'>{}</text>",
+            y + 20.0,
+            name.replace('&', "and").replace('<', "(").replace('>', ")")
+        );
+        for (j, (label, v, color)) in [
+            ("p50", p.p50, "#4c78a8"),
+            ("p95", p.p95, "#f58518"),
+            ("p99", p.p99, "#e45756"),
+        ]
+        .iter()
+        .enumerate()
+        {
             let w = (v / max * (width - left - 80.0)).max(1.0);
             let by = y + j as f64 * 14.0;
-            let _ = writeln!(s, "<rect x='{left}' y='{by:.0}' width='{w:.1}' height='12' fill='{color}'/><text x='{:.1}' y='{:.0}'>{label} {v:.1}</text>", left + w + 4.0, by + 10.0);
+            let _ = writeln!(
+                s,
+                "<rect x='{left}' y='{by:.0}' width='{w:.1}' height='12' fill='{color}'/><text x='{:.1}' y='{:.0}'>{label} {v:.1}</text>",
+                left + w + 4.0,
+                by + 10.0
+            );
         }
     }
     s.push_str("</svg>\n");
     s
 }
-

@@ -20,12 +20,36 @@ fn id<T>(r: Result<T, tally::domain::IdError>) -> T {
 }
 
 async fn lwt_vote(store: &Store, user: &UserId, target: &TargetId, n: u64) {
-    let key = id(IdempotencyKey::parse(&format!("k{n}-{}", uuid::Uuid::new_v4().simple())));
-    let snap = store.reactions.snapshot(user, target, &key, false).await.unwrap_or_else(|e| panic!("{e}"));
+    let key = id(IdempotencyKey::parse(&format!(
+        "k{n}-{}",
+        uuid::Uuid::new_v4().simple()
+    )));
+    let snap = store
+        .reactions
+        .snapshot(user, target, &key, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let from = snap.current.map_or(Reaction::None, |c| c.state);
-    let to = if from == Reaction::Like { Reaction::None } else { Reaction::Like };
-    let record = KeyRecord { request_hash: "h".into(), owner: uuid::Uuid::new_v4(), status: 200, body: "{}".into() };
-    let change = Change { user, target, target_type: TargetType::Video, expected: snap.current.map(|c| c.version), to, key: &key, record: &record };
+    let to = if from == Reaction::Like {
+        Reaction::None
+    } else {
+        Reaction::Like
+    };
+    let record = KeyRecord {
+        request_hash: "h".into(),
+        owner: uuid::Uuid::new_v4(),
+        status: 200,
+        body: "{}".into(),
+    };
+    let change = Change {
+        user,
+        target,
+        target_type: TargetType::Video,
+        expected: snap.current.map(|c| c.version),
+        to,
+        key: &key,
+        record: &record,
+    };
     match store.reactions.commit(&change).await {
         Cas::Applied => {}
         other => panic!("one writer in flight cannot lose: {other:?}"),
@@ -39,28 +63,42 @@ fn vote_write(c: &mut Criterion) {
     }
     let rt = tokio::runtime::Runtime::new().unwrap_or_else(|e| panic!("{e}"));
     let env = rt.block_on(support::bench_env("store", 1));
-    let store = Arc::new(rt.block_on(Store::open(&env.cassandra, Duration::from_secs(3600))).unwrap_or_else(|e| panic!("{e:#}")));
-    let session = rt.block_on(tally::store::connect_keyspace(&env.cassandra)).unwrap_or_else(|e| panic!("{e:#}"));
+    let store = Arc::new(
+        rt.block_on(Store::open(&env.cassandra, Duration::from_secs(3600)))
+            .unwrap_or_else(|e| panic!("{e:#}")),
+    );
+    let session = rt
+        .block_on(tally::store::connect_keyspace(&env.cassandra))
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let upsert = rt
         .block_on(session.prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, ?)"))
         .unwrap_or_else(|e| panic!("{e}"));
 
     let mut group = c.benchmark_group("vote write, one in flight");
-    group.sample_size(60).measurement_time(Duration::from_secs(10));
+    group
+        .sample_size(60)
+        .measurement_time(Duration::from_secs(10));
 
     let version = AtomicI64::new(0);
     group.bench_function("plain upsert (no read, no condition)", |b| {
         b.to_async(&rt).iter(|| async {
             let v = version.fetch_add(1, Ordering::Relaxed);
             let state = if v % 2 == 0 { "like" } else { "none" };
-            session.execute_unpaged(&upsert, ("bench_u", "bench_t", "video", state, v)).await.unwrap_or_else(|e| panic!("{e}"));
+            session
+                .execute_unpaged(&upsert, ("bench_u", "bench_t", "video", state, v))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
         })
     });
 
     let n = AtomicU64::new(0);
-    let (user, target) = (id(UserId::parse("bench_lwt_user")), id(TargetId::parse("bench_t")));
+    let (user, target) = (
+        id(UserId::parse("bench_lwt_user")),
+        id(TargetId::parse("bench_t")),
+    );
     group.bench_function("LWT change (read + IF version = ?)", |b| {
-        b.to_async(&rt).iter(|| lwt_vote(&store, &user, &target, n.fetch_add(1, Ordering::Relaxed)))
+        b.to_async(&rt)
+            .iter(|| lwt_vote(&store, &user, &target, n.fetch_add(1, Ordering::Relaxed)))
     });
     group.bench_function("LWT first reaction (read + IF NOT EXISTS)", |b| {
         b.to_async(&rt).iter(|| async {

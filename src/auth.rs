@@ -146,17 +146,26 @@ impl Verifier {
     pub fn from_config(config: &AuthConfig) -> anyhow::Result<Verifier> {
         let key = match config.algorithm {
             JwtAlgorithm::Hs256 => {
-                let secret = config.secret.as_ref().context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
+                let secret = config
+                    .secret
+                    .as_ref()
+                    .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
                 DecodingKey::from_secret(secret.expose().as_bytes())
             }
             alg => {
-                let path = config.public_key.as_ref().context("RS256/ES256 need --jwt-public-key")?;
-                let pem = std::fs::read(path).with_context(|| format!("Failed to read {}", path.display()))?;
+                let path = config
+                    .public_key
+                    .as_ref()
+                    .context("RS256/ES256 need --jwt-public-key")?;
+                let pem = std::fs::read(path)
+                    .with_context(|| format!("Failed to read {}", path.display()))?;
                 match alg {
                     JwtAlgorithm::Rs256 => DecodingKey::from_rsa_pem(&pem),
                     _ => DecodingKey::from_ec_pem(&pem),
                 }
-                .with_context(|| format!("{} is not a PEM public key for {alg:?}", path.display()))?
+                .with_context(|| {
+                    format!("{} is not a PEM public key for {alg:?}", path.display())
+                })?
             }
         };
         // One algorithm only: this is what refuses `alg: none` and an HS256
@@ -197,24 +206,37 @@ impl Verifier {
     pub fn verify(&self, token: &str) -> Result<Caller, AuthError> {
         let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
             .map_err(|e| AuthError::Invalid(e.to_string()))?;
-        let user = UserId::parse(&data.claims.sub).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
-        Ok(Caller { user, admin: data.claims.roles.iter().any(|r| r == "admin") })
+        let user =
+            UserId::parse(&data.claims.sub).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
+        Ok(Caller {
+            user,
+            admin: data.claims.roles.iter().any(|r| r == "admin"),
+        })
     }
 }
 
 /// Signs a token for development and tests (`tally token`).
-pub fn mint(config: &AuthConfig, sub: &str, ttl: Duration, roles: Vec<String>) -> anyhow::Result<String> {
+pub fn mint(
+    config: &AuthConfig,
+    sub: &str,
+    ttl: Duration,
+    roles: Vec<String>,
+) -> anyhow::Result<String> {
     UserId::parse(sub).map_err(|e| anyhow::anyhow!("--sub: {e}"))?;
     let key = match config.algorithm {
         JwtAlgorithm::Hs256 => {
-            let secret = config.secret.as_ref().context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
+            let secret = config
+                .secret
+                .as_ref()
+                .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
             EncodingKey::from_secret(secret.expose().as_bytes())
         }
         alg => {
             let Some(path) = config.private_key.as_ref() else {
                 bail!("signing {alg:?} tokens needs --jwt-private-key");
             };
-            let pem = std::fs::read(path).with_context(|| format!("Failed to read {}", path.display()))?;
+            let pem = std::fs::read(path)
+                .with_context(|| format!("Failed to read {}", path.display()))?;
             match alg {
                 JwtAlgorithm::Rs256 => EncodingKey::from_rsa_pem(&pem),
                 _ => EncodingKey::from_ec_pem(&pem),
@@ -222,7 +244,9 @@ pub fn mint(config: &AuthConfig, sub: &str, ttl: Duration, roles: Vec<String>) -
             .with_context(|| format!("{} is not a PEM private key for {alg:?}", path.display()))?
         }
     };
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
     let claims = Claims {
         sub: sub.to_owned(),
         exp: (now + ttl).as_secs(),
@@ -231,7 +255,8 @@ pub fn mint(config: &AuthConfig, sub: &str, ttl: Duration, roles: Vec<String>) -
         aud: config.audience.clone(),
         roles,
     };
-    jsonwebtoken::encode(&Header::new(config.algorithm.algorithm()), &claims, &key).context("Failed to sign the token")
+    jsonwebtoken::encode(&Header::new(config.algorithm.algorithm()), &claims, &key)
+        .context("Failed to sign the token")
 }
 
 /// `tally token`: prints a development token.
@@ -265,18 +290,33 @@ mod tests {
 
     #[test]
     fn a_minted_token_names_its_user() {
-        let token = mint(&AuthConfig::hs256(SECRET), "alice", Duration::from_secs(60), vec![])
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        let caller = verifier().verify_header(Some(&format!("Bearer {token}"))).unwrap_or_else(|e| panic!("{e}"));
+        let token = mint(
+            &AuthConfig::hs256(SECRET),
+            "alice",
+            Duration::from_secs(60),
+            vec![],
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        let caller = verifier()
+            .verify_header(Some(&format!("Bearer {token}")))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(caller.user.as_str(), "alice");
         assert!(!caller.admin);
     }
 
     #[test]
     fn a_token_signed_with_another_secret_is_refused() {
-        let token = mint(&AuthConfig::hs256("another-secret"), "alice", Duration::from_secs(60), vec![])
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        assert!(matches!(verifier().verify(&token), Err(AuthError::Invalid(_))));
+        let token = mint(
+            &AuthConfig::hs256("another-secret"),
+            "alice",
+            Duration::from_secs(60),
+            vec![],
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(matches!(
+            verifier().verify(&token),
+            Err(AuthError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -285,14 +325,26 @@ mod tests {
         let header = encode(br#"{"alg":"none","typ":"JWT"}"#);
         let body = encode(br#"{"sub":"alice","exp":99999999999}"#);
         let token = format!("{header}.{body}.");
-        assert!(matches!(verifier().verify(&token), Err(AuthError::Invalid(_))));
+        assert!(matches!(
+            verifier().verify(&token),
+            Err(AuthError::Invalid(_))
+        ));
     }
 
     #[test]
     fn headers_without_bearer_are_malformed() {
-        assert!(matches!(verifier().verify_header(None), Err(AuthError::Missing)));
-        assert!(matches!(verifier().verify_header(Some("Basic abc")), Err(AuthError::Malformed)));
-        assert!(matches!(verifier().verify_header(Some("Bearer ")), Err(AuthError::Malformed)));
+        assert!(matches!(
+            verifier().verify_header(None),
+            Err(AuthError::Missing)
+        ));
+        assert!(matches!(
+            verifier().verify_header(Some("Basic abc")),
+            Err(AuthError::Malformed)
+        ));
+        assert!(matches!(
+            verifier().verify_header(Some("Bearer ")),
+            Err(AuthError::Malformed)
+        ));
     }
 
     #[test]
@@ -302,24 +354,47 @@ mod tests {
         let pem = include_bytes!("auth_test_rsa.pub.pem");
         let path = std::env::temp_dir().join(format!("tally-rs256-{}.pem", std::process::id()));
         std::fs::write(&path, pem).unwrap_or_else(|e| panic!("{e}"));
-        let config = AuthConfig { algorithm: JwtAlgorithm::Rs256, secret: None, public_key: Some(path.clone()), ..AuthConfig::hs256("unused-secret") };
+        let config = AuthConfig {
+            algorithm: JwtAlgorithm::Rs256,
+            secret: None,
+            public_key: Some(path.clone()),
+            ..AuthConfig::hs256("unused-secret")
+        };
         let verifier = Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"));
         let _ = std::fs::remove_file(&path);
         let claims = serde_json::json!({"sub": "alice", "exp": 99_999_999_999u64});
-        let forged = jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(pem))
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(verifier.verify(&forged), Err(AuthError::Invalid(_))));
+        let forged = jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(pem),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(
+            verifier.verify(&forged),
+            Err(AuthError::Invalid(_))
+        ));
     }
 
     #[test]
     fn issuer_and_audience_are_required_when_configured() {
-        let config = AuthConfig { issuer: Some("https://id.example".into()), audience: Some("tally".into()), ..AuthConfig::hs256(SECRET) };
+        let config = AuthConfig {
+            issuer: Some("https://id.example".into()),
+            audience: Some("tally".into()),
+            ..AuthConfig::hs256(SECRET)
+        };
         let verifier = Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"));
         let sign = |claims: serde_json::Value| {
-            jsonwebtoken::encode(&Header::default(), &claims, &EncodingKey::from_secret(SECRET.as_bytes())).unwrap_or_else(|e| panic!("{e}"))
+            jsonwebtoken::encode(
+                &Header::default(),
+                &claims,
+                &EncodingKey::from_secret(SECRET.as_bytes()),
+            )
+            .unwrap_or_else(|e| panic!("{e}"))
         };
         let exp = 99_999_999_999u64;
-        let good = sign(serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example", "aud": "tally"}));
+        let good = sign(
+            serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example", "aud": "tally"}),
+        );
         assert!(verifier.verify(&good).is_ok());
         for bad in [
             serde_json::json!({"sub": "a", "exp": exp, "iss": "https://evil.example", "aud": "tally"}),
@@ -327,17 +402,28 @@ mod tests {
             serde_json::json!({"sub": "a", "exp": exp, "aud": "tally"}),
             serde_json::json!({"sub": "a", "exp": exp, "iss": "https://id.example"}),
         ] {
-            assert!(matches!(verifier.verify(&sign(bad.clone())), Err(AuthError::Invalid(_))), "{bad}");
+            assert!(
+                matches!(
+                    verifier.verify(&sign(bad.clone())),
+                    Err(AuthError::Invalid(_))
+                ),
+                "{bad}"
+            );
         }
     }
 
     /// Unpadded URL-safe base64, enough to forge a header in a test.
     mod base64_like {
         pub fn encode(input: &[u8]) -> String {
-            const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+            const ALPHABET: &[u8; 64] =
+                b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
             let mut out = String::new();
             for chunk in input.chunks(3) {
-                let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+                let b = [
+                    chunk[0],
+                    *chunk.get(1).unwrap_or(&0),
+                    *chunk.get(2).unwrap_or(&0),
+                ];
                 let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
                 for i in 0..=chunk.len() {
                     out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);

@@ -14,7 +14,9 @@ use uuid::Uuid;
 
 use crate::bus::publisher::Publisher;
 use crate::counts::Counts;
-use crate::domain::{Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId, now_rfc3339};
+use crate::domain::{
+    Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId, now_rfc3339,
+};
 use crate::store::Store;
 use crate::store::reactions::{Cas, Change, KeyRecord};
 
@@ -29,7 +31,12 @@ pub struct Vote {
 impl Vote {
     /// Names the request, so a key reused with another body is caught.
     fn hash(&self) -> String {
-        let canonical = format!("{}\n{}\n{}", self.target_id, self.target_type.as_str(), self.action);
+        let canonical = format!(
+            "{}\n{}\n{}",
+            self.target_id,
+            self.target_type.as_str(),
+            self.action
+        );
         hex::encode(Sha256::digest(canonical.as_bytes()))
     }
 }
@@ -51,7 +58,12 @@ struct Body<'a> {
 }
 
 fn body(target: &TargetId, totals: Totals, state: Reaction) -> String {
-    let b = Body { target_id: target.as_str(), likes: totals.likes, dislikes: totals.dislikes, user_state: state };
+    let b = Body {
+        target_id: target.as_str(),
+        likes: totals.likes,
+        dislikes: totals.dislikes,
+        user_state: state,
+    };
     serde_json::to_string(&b).unwrap_or_default()
 }
 
@@ -76,7 +88,10 @@ pub struct CastConfig {
 
 impl Default for CastConfig {
     fn default() -> Self {
-        CastConfig { max_attempts: 8, publish_attempts: 3 }
+        CastConfig {
+            max_attempts: 8,
+            publish_attempts: 3,
+        }
     }
 }
 
@@ -94,11 +109,27 @@ struct Attempt {
 }
 
 impl Caster {
-    pub fn new(store: Arc<Store>, counts: Counts, publisher: Publisher, config: CastConfig) -> Caster {
-        Caster { store, counts, publisher, config }
+    pub fn new(
+        store: Arc<Store>,
+        counts: Counts,
+        publisher: Publisher,
+        config: CastConfig,
+    ) -> Caster {
+        Caster {
+            store,
+            counts,
+            publisher,
+            config,
+        }
     }
 
-    pub async fn cast(&self, user: &UserId, key: &IdempotencyKey, vote: &Vote, request_id: &str) -> Result<Answer, CastError> {
+    pub async fn cast(
+        &self,
+        user: &UserId,
+        key: &IdempotencyKey,
+        vote: &Vote,
+        request_id: &str,
+    ) -> Result<Answer, CastError> {
         let hash = vote.hash();
         // Written into the key's record, so after an unknown outcome a SERIAL
         // read tells whether this request's own batch is the one that applied.
@@ -119,20 +150,30 @@ impl Caster {
                     // Our own write, whose outcome was unknown, did apply.
                     return match attempt {
                         Some(a) => Ok(self.after_commit(a, user, request_id).await),
-                        None => Err(CastError::Unavailable(anyhow::anyhow!("lost track of an applied write"))),
+                        None => Err(CastError::Unavailable(anyhow::anyhow!(
+                            "lost track of an applied write"
+                        ))),
                     };
                 }
                 if record.request_hash != hash {
                     return Err(CastError::KeyReused);
                 }
-                return Ok(Answer { status: record.status, body: record.body, replayed: true });
+                return Ok(Answer {
+                    status: record.status,
+                    body: record.body,
+                    replayed: true,
+                });
             }
             if n == self.config.max_attempts {
                 break;
             }
 
             let from = snap.current.map_or(Reaction::None, |c| c.state);
-            let before = self.counts.get(&vote.target_id).await.map_err(|e| CastError::Unavailable(e.into()))?;
+            let before = self
+                .counts
+                .get(&vote.target_id)
+                .await
+                .map_err(|e| CastError::Unavailable(e.into()))?;
             let delta = Delta::between(from, vote.action);
             let version = snap.current.map_or(1, |c| c.version + 1);
             let a = Attempt {
@@ -150,11 +191,20 @@ impl Caster {
                 }),
                 body: body(&vote.target_id, before.apply(delta), vote.action),
             };
-            let record = KeyRecord { request_hash: hash.clone(), owner, status: 200, body: a.body.clone() };
+            let record = KeyRecord {
+                request_hash: hash.clone(),
+                owner,
+                status: 200,
+                body: a.body.clone(),
+            };
 
             if snap.current.is_none() && a.transition.is_some() {
                 // Before the first reaction commits, so the sweep can find it.
-                self.store.targets.register(&vote.target_id, vote.target_type).await.map_err(|e| CastError::Unavailable(e.into()))?;
+                self.store
+                    .targets
+                    .register(&vote.target_id, vote.target_type)
+                    .await
+                    .map_err(|e| CastError::Unavailable(e.into()))?;
             }
             let outcome = if a.transition.is_some() {
                 let change = Change {
@@ -186,17 +236,26 @@ impl Caster {
             attempt = Some(a);
             serial = true;
             // Spread out contending retries of one user.
-            tokio::time::sleep(Duration::from_millis(2 + u64::from(n) * 5 + u64::from(owner.as_bytes()[n as usize % 16] % 8))).await;
+            tokio::time::sleep(Duration::from_millis(
+                2 + u64::from(n) * 5 + u64::from(owner.as_bytes()[n as usize % 16] % 8),
+            ))
+            .await;
         }
         Err(CastError::Contention)
     }
 
     async fn after_commit(&self, attempt: Attempt, user: &UserId, request_id: &str) -> Answer {
         if let Some((transition, delta)) = &attempt.transition {
-            self.counts.apply_committed(&transition.target_id, *delta).await;
+            self.counts
+                .apply_committed(&transition.target_id, *delta)
+                .await;
             self.publish(transition, user, request_id).await;
         }
-        Answer { status: 200, body: attempt.body, replayed: false }
+        Answer {
+            status: 200,
+            body: attempt.body,
+            replayed: false,
+        }
     }
 
     /// Offers the transition to Kafka a few times. If it never gets there the

@@ -7,16 +7,20 @@ use clap::{Parser, Subcommand};
 
 use crate::api::{ApiConfig, Application};
 use crate::auth::{self, TokenArgs};
+use crate::bus::{self, KafkaConfig};
 use crate::cache::{Cache, RedisConfig};
 use crate::consumer::ConsumerConfig;
 use crate::domain::TargetId;
 use crate::reconcile::{Reconciler, SweepOptions, SweepSummary};
-use crate::bus::{self, KafkaConfig};
 use crate::store::{self, CassandraConfig, Store, migrate::Replication};
 use crate::telemetry::LogFormat;
 
 #[derive(Parser, Debug)]
-#[command(name = "tally", version, about = "Vote and likes counting: each user's reaction is the truth, every total is derived from it")]
+#[command(
+    name = "tally",
+    version,
+    about = "Vote and likes counting: each user's reaction is the truth, every total is derived from it"
+)]
 pub struct Cli {
     /// Log format.
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto, global = true)]
@@ -39,8 +43,6 @@ pub enum Command {
     /// Print a development token signed with the configured key.
     Token(TokenArgs),
 }
-
-
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("what").required(true).args(["targets", "all"])))]
@@ -117,7 +119,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate(args) => migrate(args).await,
         Command::Vote(config) => vote(config).await,
         Command::Token(args) => {
-            println!("{}", auth::mint(&args.auth, &args.sub, args.ttl, args.roles)?);
+            println!(
+                "{}",
+                auth::mint(&args.auth, &args.sub, args.ttl, args.roles)?
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Consumer(config) => consumer(config).await,
@@ -136,16 +141,28 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
         args.cassandra.keyspace,
         report.applied.len(),
         report.already.len(),
-        if topics.is_empty() { "none (all existed)".to_owned() } else { topics.join(", ") }
+        if topics.is_empty() {
+            "none (all existed)".to_owned()
+        } else {
+            topics.join(", ")
+        }
     );
     Ok(ExitCode::SUCCESS)
 }
 
 async fn vote(config: ApiConfig) -> anyhow::Result<ExitCode> {
     let app = Application::build(config.clone()).await?;
-    let host = config.listen.rsplit_once(':').map_or(config.listen.as_str(), |(h, _)| h);
-    tracing::info!(address = format!("http://{host}:{}", app.port()), "tally vote listening");
-    app.run_until_stopped().await.context("The HTTP server failed")?;
+    let host = config
+        .listen
+        .rsplit_once(':')
+        .map_or(config.listen.as_str(), |(h, _)| h);
+    tracing::info!(
+        address = format!("http://{host}:{}", app.port()),
+        "tally vote listening"
+    );
+    app.run_until_stopped()
+        .await
+        .context("The HTTP server failed")?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -186,7 +203,8 @@ pub async fn shutdown_signal() {
 const DRIFT_FOUND: u8 = 3;
 
 async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
-    let store = std::sync::Arc::new(Store::open(&args.cassandra, std::time::Duration::from_secs(1)).await?);
+    let store =
+        std::sync::Arc::new(Store::open(&args.cassandra, std::time::Duration::from_secs(1)).await?);
     let cache = Cache::new(&args.redis, std::time::Duration::from_secs(60))
         .inspect_err(|e| tracing::warn!(error = %e, "no cache; repaired targets keep stale cached totals until they expire"))
         .ok();
@@ -200,7 +218,11 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let summary = if args.all {
         let options = SweepOptions {
             // A dry run must not move the real sweep's resume point.
-            name: if args.dry_run { format!("{}.dry-run", args.checkpoint) } else { args.checkpoint.clone() },
+            name: if args.dry_run {
+                format!("{}.dry-run", args.checkpoint)
+            } else {
+                args.checkpoint.clone()
+            },
             rate: args.rate,
             dry_run: args.dry_run,
             restart: args.restart,
@@ -208,8 +230,15 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
         };
         loop {
             let summary = sweep_with_progress(&reconciler, &options, &stop_rx).await?;
-            let (Some(pause), true) = (args.repeat_every, summary.complete) else { break summary };
-            tracing::info!(checked = summary.targets_checked, drifted = summary.targets_drifted, "sweep complete; next in {}", humantime::format_duration(pause));
+            let (Some(pause), true) = (args.repeat_every, summary.complete) else {
+                break summary;
+            };
+            tracing::info!(
+                checked = summary.targets_checked,
+                drifted = summary.targets_drifted,
+                "sweep complete; next in {}",
+                humantime::format_duration(pause)
+            );
             let mut stop = stop_rx.clone();
             tokio::select! {
                 () = tokio::time::sleep(pause) => {}
@@ -217,7 +246,10 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
             }
         }
     } else {
-        let mut summary = SweepSummary { complete: true, ..SweepSummary::default() };
+        let mut summary = SweepSummary {
+            complete: true,
+            ..SweepSummary::default()
+        };
         for target in &args.targets {
             let report = reconciler.target(target, args.dry_run).await?;
             summary.targets_checked += 1;
@@ -230,32 +262,58 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     };
 
     if args.json {
-        println!("{}", serde_json::json!({
-            "targets_checked": summary.targets_checked,
-            "targets_drifted": summary.targets_drifted,
-            "dry_run": args.dry_run,
-            "complete": summary.complete,
-            "resumed_from_token": summary.resumed_from,
-            "corrections": summary.corrections,
-        }));
+        println!(
+            "{}",
+            serde_json::json!({
+                "targets_checked": summary.targets_checked,
+                "targets_drifted": summary.targets_drifted,
+                "dry_run": args.dry_run,
+                "complete": summary.complete,
+                "resumed_from_token": summary.resumed_from,
+                "corrections": summary.corrections,
+            })
+        );
     } else {
         for r in &summary.corrections {
             println!(
                 "{}: likes {} -> {}, dislikes {} -> {}, {} user(s) behind{}",
-                r.target_id, r.totals_before.likes, r.totals_after.likes, r.totals_before.dislikes, r.totals_after.dislikes,
-                r.users_behind, if r.repaired { ", repaired" } else { ", not repaired (dry run)" }
+                r.target_id,
+                r.totals_before.likes,
+                r.totals_after.likes,
+                r.totals_before.dislikes,
+                r.totals_after.dislikes,
+                r.users_behind,
+                if r.repaired {
+                    ", repaired"
+                } else {
+                    ", not repaired (dry run)"
+                }
             );
         }
         println!(
             "checked {} target(s), {} drifted{}",
-            summary.targets_checked, summary.targets_drifted, if summary.complete { "" } else { " (interrupted; run again to resume)" }
+            summary.targets_checked,
+            summary.targets_drifted,
+            if summary.complete {
+                ""
+            } else {
+                " (interrupted; run again to resume)"
+            }
         );
     }
-    Ok(if args.fail_on_drift && summary.targets_drifted > 0 { ExitCode::from(DRIFT_FOUND) } else { ExitCode::SUCCESS })
+    Ok(if args.fail_on_drift && summary.targets_drifted > 0 {
+        ExitCode::from(DRIFT_FOUND)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// A progress bar on a terminal, a log line every 10 s otherwise.
-async fn sweep_with_progress(reconciler: &Reconciler, options: &SweepOptions, stop: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<SweepSummary> {
+async fn sweep_with_progress(
+    reconciler: &Reconciler,
+    options: &SweepOptions,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<SweepSummary> {
     use std::io::{IsTerminal, Write};
     let tty = std::io::stderr().is_terminal();
     let mut last_log = std::time::Instant::now();
@@ -264,11 +322,23 @@ async fn sweep_with_progress(reconciler: &Reconciler, options: &SweepOptions, st
             let c = status.checkpoint;
             if tty {
                 let filled = (status.fraction * 30.0).round() as usize;
-                eprint!("\r[{}{}] {:5.1}%  {} checked, {} drifted ", "#".repeat(filled.min(30)), " ".repeat(30 - filled.min(30)), status.fraction * 100.0, c.checked, c.drifted);
+                eprint!(
+                    "\r[{}{}] {:5.1}%  {} checked, {} drifted ",
+                    "#".repeat(filled.min(30)),
+                    " ".repeat(30 - filled.min(30)),
+                    status.fraction * 100.0,
+                    c.checked,
+                    c.drifted
+                );
                 let _ = std::io::stderr().flush();
             } else if last_log.elapsed() >= std::time::Duration::from_secs(10) {
                 last_log = std::time::Instant::now();
-                tracing::info!(checked = c.checked, drifted = c.drifted, progress = format!("{:.1}%", status.fraction * 100.0), "reconcile sweep");
+                tracing::info!(
+                    checked = c.checked,
+                    drifted = c.drifted,
+                    progress = format!("{:.1}%", status.fraction * 100.0),
+                    "reconcile sweep"
+                );
             }
         })
         .await?;

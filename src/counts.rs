@@ -29,11 +29,13 @@ impl Counts {
             Ok(c) => {
                 let hits = c.iter().filter(|h| h.is_some()).count() as u64;
                 metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "hit").increment(hits);
-                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "miss").increment(c.len() as u64 - hits);
+                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "miss")
+                    .increment(c.len() as u64 - hits);
                 c
             }
             Err(e) => {
-                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "error").increment(targets.len() as u64);
+                metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "error")
+                    .increment(targets.len() as u64);
                 tracing::warn!(error = %e, "count cache unreadable; serving durable totals");
                 vec![None; targets.len()]
             }
@@ -43,7 +45,11 @@ impl Counts {
                 Some(t) => Ok(t),
                 None => {
                     let durable = self.store.stats.totals(target).await?;
-                    Ok(self.cache.fill_then_apply(target, durable, Delta::default()).await.unwrap_or(durable))
+                    Ok(self
+                        .cache
+                        .fill_then_apply(target, durable, Delta::default())
+                        .await
+                        .unwrap_or(durable))
                 }
             }
         });
@@ -66,7 +72,11 @@ impl Counts {
         let result = match self.cache.apply(target, delta).await {
             Ok(Some(_)) => Ok(()),
             Ok(None) => match self.store.stats.totals(target).await {
-                Ok(durable) => self.cache.fill_then_apply(target, durable, delta).await.map(|_| ()),
+                Ok(durable) => self
+                    .cache
+                    .fill_then_apply(target, durable, delta)
+                    .await
+                    .map(|_| ()),
                 Err(e) => {
                     tracing::warn!(target_id = %target, error = %e, "no durable totals to refill the cache from");
                     Ok(())

@@ -40,7 +40,9 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 pub fn install() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
-            let latency = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+            let latency = [
+                0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ];
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)
                 .unwrap_or_else(|_| PrometheusBuilder::new());
@@ -66,20 +68,57 @@ pub fn install() -> PrometheusHandle {
 
 fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_histogram!(VOTE_WRITE_SECONDS, Unit::Seconds, "POST /v1/votes latency by outcome (p95 target 100 ms)");
-    describe_histogram!(VOTE_READ_SECONDS, Unit::Seconds, "GET /v1/votes/summary latency (p95 target 20 ms)");
-    describe_gauge!(CONSUMER_LAG_MESSAGES, "messages the consumer is behind, per partition");
-    describe_gauge!(CONSUMER_LAG_SECONDS, Unit::Seconds, "age of the oldest unprocessed event, per partition");
-    describe_gauge!(GROUP_LAG_MESSAGES, "messages the consumer group is behind, per partition, from its committed offsets");
-    describe_gauge!(GROUP_LAG_SECONDS, Unit::Seconds, "age of the oldest message the group has not committed, per partition");
-    describe_counter!(CACHE_LOOKUPS, "count cache lookups by result (hit, miss, error)");
-    describe_counter!(CAS, "conditional writes by statement (vote, stats) and outcome (applied, not_applied, unknown, failed)");
-    describe_counter!(DRIFT_FOUND, "targets whose totals disagreed with the per-user rows");
+    describe_histogram!(
+        VOTE_WRITE_SECONDS,
+        Unit::Seconds,
+        "POST /v1/votes latency by outcome (p95 target 100 ms)"
+    );
+    describe_histogram!(
+        VOTE_READ_SECONDS,
+        Unit::Seconds,
+        "GET /v1/votes/summary latency (p95 target 20 ms)"
+    );
+    describe_gauge!(
+        CONSUMER_LAG_MESSAGES,
+        "messages the consumer is behind, per partition"
+    );
+    describe_gauge!(
+        CONSUMER_LAG_SECONDS,
+        Unit::Seconds,
+        "age of the oldest unprocessed event, per partition"
+    );
+    describe_gauge!(
+        GROUP_LAG_MESSAGES,
+        "messages the consumer group is behind, per partition, from its committed offsets"
+    );
+    describe_gauge!(
+        GROUP_LAG_SECONDS,
+        Unit::Seconds,
+        "age of the oldest message the group has not committed, per partition"
+    );
+    describe_counter!(
+        CACHE_LOOKUPS,
+        "count cache lookups by result (hit, miss, error)"
+    );
+    describe_counter!(
+        CAS,
+        "conditional writes by statement (vote, stats) and outcome (applied, not_applied, unknown, failed)"
+    );
+    describe_counter!(
+        DRIFT_FOUND,
+        "targets whose totals disagreed with the per-user rows"
+    );
     describe_counter!(DRIFT_REPAIRED, "drifted targets repaired");
     describe_counter!(RECONCILE_CHECKED, "targets recounted");
-    describe_counter!(PUBLISH_FAILURES, "committed transitions never published (reconcile repairs the count)");
+    describe_counter!(
+        PUBLISH_FAILURES,
+        "committed transitions never published (reconcile repairs the count)"
+    );
     describe_counter!(DEAD_LETTERED, "events sent to the dead-letter topic");
-    describe_counter!(GAPS, "transitions whose from was not the counted state (lost or reordered events)");
+    describe_counter!(
+        GAPS,
+        "transitions whose from was not the counted state (lost or reordered events)"
+    );
     describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
     describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
 }

@@ -29,8 +29,16 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Readiness {
     pub fn new(store: Arc<Store>, kafka: &KafkaConfig, cache: Cache) -> anyhow::Result<Readiness> {
-        let producer = kafka.client().create().context("Failed to create the Kafka readiness client")?;
-        Ok(Readiness { store, kafka: producer, topic: kafka.topic.clone(), cache })
+        let producer = kafka
+            .client()
+            .create()
+            .context("Failed to create the Kafka readiness client")?;
+        Ok(Readiness {
+            store,
+            kafka: producer,
+            topic: kafka.topic.clone(),
+            cache,
+        })
     }
 
     /// The dependencies that do not answer, with why.
@@ -46,7 +54,10 @@ impl Readiness {
             let (producer, topic) = (self.kafka.clone(), self.topic.clone());
             let r = tokio::task::spawn_blocking(move || {
                 use rdkafka::producer::Producer;
-                producer.client().fetch_metadata(Some(&topic), CHECK_TIMEOUT).map(|m| m.topics().len())
+                producer
+                    .client()
+                    .fetch_metadata(Some(&topic), CHECK_TIMEOUT)
+                    .map(|m| m.topics().len())
             })
             .await;
             match r {
@@ -78,20 +89,30 @@ pub async fn readyz(readiness: web::Data<Readiness>) -> HttpResponse {
         return HttpResponse::Ok().json(json!({"status": "ready"}));
     }
     let names: Vec<&str> = failing.iter().map(|(n, _)| *n).collect();
-    let detail: serde_json::Map<String, serde_json::Value> = failing.iter().map(|(n, e)| ((*n).to_owned(), json!(e))).collect();
+    let detail: serde_json::Map<String, serde_json::Value> = failing
+        .iter()
+        .map(|(n, e)| ((*n).to_owned(), json!(e)))
+        .collect();
     HttpResponse::ServiceUnavailable()
         .insert_header((actix_web::http::header::RETRY_AFTER, "5"))
         .json(json!({"status": "unavailable", "failing": names, "detail": detail}))
 }
 
 pub async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(handle.render())
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(handle.render())
 }
 
 /// The consumer's small HTTP server for the three endpoints. Returns the
 /// bound port and the server future.
-pub fn serve(listen: &str, readiness: Readiness, handle: PrometheusHandle) -> anyhow::Result<(u16, actix_web::dev::Server)> {
-    let listener = std::net::TcpListener::bind(listen).with_context(|| format!("Failed to listen on {listen}"))?;
+pub fn serve(
+    listen: &str,
+    readiness: Readiness,
+    handle: PrometheusHandle,
+) -> anyhow::Result<(u16, actix_web::dev::Server)> {
+    let listener = std::net::TcpListener::bind(listen)
+        .with_context(|| format!("Failed to listen on {listen}"))?;
     let port = listener.local_addr()?.port();
     let (readiness, handle) = (web::Data::new(readiness), web::Data::new(handle));
     let server = HttpServer::new(move || {

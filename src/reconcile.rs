@@ -66,7 +66,13 @@ impl Reconciler {
             // Stats first, then the truth: an applied version can then never
             // be ahead of the row it came from.
             let read = self.store.stats.read(target, None, serial).await?;
-            let truth: HashMap<UserId, _> = self.store.reactions.by_target(target).await?.into_iter().collect();
+            let truth: HashMap<UserId, _> = self
+                .store
+                .reactions
+                .by_target(target)
+                .await?
+                .into_iter()
+                .collect();
             serial = true;
 
             let before = read.ledger.totals;
@@ -103,14 +109,23 @@ impl Reconciler {
             // recounted base plus exactly the users written so far.
             let mut ledger = Ledger::new(Totals::count(base.values().map(|a| a.state)), base);
             let mut seq = read.seq;
-            let chunks: Vec<&[&UserId]> = if behind.is_empty() { vec![&[]] } else { behind.chunks(MAX_USERS_PER_WRITE).collect() };
+            let chunks: Vec<&[&UserId]> = if behind.is_empty() {
+                vec![&[]]
+            } else {
+                behind.chunks(MAX_USERS_PER_WRITE).collect()
+            };
             for chunk in chunks {
                 for user in chunk {
                     if let Some(row) = truth.get(*user) {
                         ledger.apply(user, row.version, None, row.state);
                     }
                 }
-                match self.store.stats.write(target, None, seq, &ledger, chunk).await {
+                match self
+                    .store
+                    .stats
+                    .write(target, None, seq, &ledger, chunk)
+                    .await
+                {
                     Cas::Applied => seq = Some(seq.unwrap_or(0) + 1),
                     Cas::NotApplied | Cas::Unknown(_) => continue 'round,
                     Cas::Failed(e) => return Err(Unavailable(e).into()),
@@ -142,9 +157,16 @@ impl Reconciler {
         mut on_progress: impl FnMut(&SweepStatus),
     ) -> Result<SweepSummary, ReconcileError> {
         let targets = &self.store.targets;
-        let resumed = if options.restart { None } else { targets.checkpoint(&options.name).await? };
+        let resumed = if options.restart {
+            None
+        } else {
+            targets.checkpoint(&options.name).await?
+        };
         let mut cp = resumed.unwrap_or_default();
-        let mut summary = SweepSummary { resumed_from: resumed.and_then(|c| c.last_token), ..SweepSummary::default() };
+        let mut summary = SweepSummary {
+            resumed_from: resumed.and_then(|c| c.last_token),
+            ..SweepSummary::default()
+        };
         let interval = (options.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / options.rate));
         let mut tick = interval.map(|i| {
             let mut t = tokio::time::interval(i);
@@ -177,7 +199,10 @@ impl Reconciler {
                     }
                 }
                 cp.last_token = Some(token);
-                on_progress(&SweepStatus { checkpoint: cp, fraction: token_fraction(token) });
+                on_progress(&SweepStatus {
+                    checkpoint: cp,
+                    fraction: token_fraction(token),
+                });
             }
             targets.save_checkpoint(&options.name, &cp).await?;
         }

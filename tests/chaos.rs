@@ -24,11 +24,17 @@ use std::time::{Duration, Instant};
 use support::{JWT_SECRET, Lcg, TestEnv, eventually, token};
 
 fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or_else(|e| panic!("{e}"))
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A child process of ours, killed when dropped.
@@ -68,7 +74,16 @@ impl Services {
 
     fn start_redis(&mut self) {
         let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.redis_port.to_string(), "--save", "", "--appendonly", "no"])
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &self.redis_port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("redis-server: {e}"));
@@ -78,14 +93,20 @@ impl Services {
 
 fn stack(args: &[&str]) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let status = Command::new(format!("{root}/scripts/stack.sh")).args(args).status().unwrap_or_else(|e| panic!("{e}"));
+    let status = Command::new(format!("{root}/scripts/stack.sh"))
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "scripts/stack.sh {args:?} failed");
 }
 
 /// What a client was told.
 #[derive(Debug, Clone)]
 enum Outcome {
-    Ok { body: String, replayed: bool },
+    Ok {
+        body: String,
+        replayed: bool,
+    },
     /// Refused before anything changed (4xx, 429, or 503 before commit).
     Failed(u16),
     /// No answer (timeout, connection reset, 503 whose outcome is unknown).
@@ -108,7 +129,15 @@ struct Log {
     faults: BTreeMap<&'static str, u32>,
 }
 
-async fn send(client: &reqwest::Client, base: &str, user: &str, key: &str, target: &str, action: &str, timeout: Duration) -> Outcome {
+async fn send(
+    client: &reqwest::Client,
+    base: &str,
+    user: &str,
+    key: &str,
+    target: &str,
+    action: &str,
+    timeout: Duration,
+) -> Outcome {
     let req = client
         .post(format!("{base}/v1/votes"))
         .bearer_auth(token(user))
@@ -137,14 +166,19 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     let seed = env_num("TALLY_CHAOS_SEED", 1);
     let stack_restarts = env_num("TALLY_CHAOS_STACK_RESTARTS", 1) == 1;
     let (n_users, n_targets, n_workers) = (200u64, 500usize, 24u64);
-    eprintln!("chaos: {secs}s, seed {seed}, {n_users} users over {n_targets} targets, stack restarts {stack_restarts}");
+    eprintln!(
+        "chaos: {secs}s, seed {seed}, {n_users} users over {n_targets} targets, stack restarts {stack_restarts}"
+    );
 
     let mut env = TestEnv::new().await;
     let (api_port, redis_port) = (free_port(), free_port());
     let mut svc = Services {
         env_vars: vec![
             ("TALLY_LISTEN".into(), format!("127.0.0.1:{api_port}")),
-            ("TALLY_REDIS_URL".into(), format!("redis://127.0.0.1:{redis_port}")),
+            (
+                "TALLY_REDIS_URL".into(),
+                format!("redis://127.0.0.1:{redis_port}"),
+            ),
             ("TALLY_JWT_SECRET".into(), JWT_SECRET.into()),
             ("TALLY_CACHE_TTL_MIN".into(), "3s".into()),
             ("TALLY_CACHE_TTL_MAX".into(), "5s".into()),
@@ -162,7 +196,13 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     let base = format!("http://127.0.0.1:{}", svc.api_port);
     let client = reqwest::Client::new();
     eventually("tally vote to answer", Duration::from_secs(60), || async {
-        client.get(format!("{base}/healthz")).send().await.ok().filter(|r| r.status().is_success()).map(|_| ())
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
     })
     .await;
 
@@ -189,12 +229,42 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
                     0 | 1 => {
                         let key2 = format!("{key}-b");
                         let (a, b) = tokio::join!(
-                            send(&client, &base, &user, &key, &target, action, Duration::from_secs(10)),
-                            send(&client, &base, &user, &key2, &target, action, Duration::from_secs(10))
+                            send(
+                                &client,
+                                &base,
+                                &user,
+                                &key,
+                                &target,
+                                action,
+                                Duration::from_secs(10)
+                            ),
+                            send(
+                                &client,
+                                &base,
+                                &user,
+                                &key2,
+                                &target,
+                                action,
+                                Duration::from_secs(10)
+                            )
                         );
                         vec![
-                            Op { user: user.clone(), target: target.clone(), key, action, started, outcome: a },
-                            Op { user: user.clone(), target: target.clone(), key: key2, action, started, outcome: b },
+                            Op {
+                                user: user.clone(),
+                                target: target.clone(),
+                                key,
+                                action,
+                                started,
+                                outcome: a,
+                            },
+                            Op {
+                                user: user.clone(),
+                                target: target.clone(),
+                                key: key2,
+                                action,
+                                started,
+                                outcome: b,
+                            },
                         ]
                     }
                     // A dropped response: give up after a few ms, then retry
@@ -206,12 +276,37 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
                             key: key.clone(),
                             action,
                             started,
-                            outcome: send(&client, &base, &user, &key, &target, action, Duration::from_millis(1 + rng.below(15))).await,
+                            outcome: send(
+                                &client,
+                                &base,
+                                &user,
+                                &key,
+                                &target,
+                                action,
+                                Duration::from_millis(1 + rng.below(15)),
+                            )
+                            .await,
                         }];
                         for _ in 0..20 {
-                            let outcome = send(&client, &base, &user, &key, &target, action, Duration::from_secs(10)).await;
+                            let outcome = send(
+                                &client,
+                                &base,
+                                &user,
+                                &key,
+                                &target,
+                                action,
+                                Duration::from_secs(10),
+                            )
+                            .await;
                             let done = !matches!(outcome, Outcome::Unknown);
-                            ops.push(Op { user: user.clone(), target: target.clone(), key: key.clone(), action, started, outcome });
+                            ops.push(Op {
+                                user: user.clone(),
+                                target: target.clone(),
+                                key: key.clone(),
+                                action,
+                                started,
+                                outcome,
+                            });
                             if done {
                                 break;
                             }
@@ -225,7 +320,16 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
                         key: key.clone(),
                         action,
                         started,
-                        outcome: send(&client, &base, &user, &key, &target, action, Duration::from_secs(10)).await,
+                        outcome: send(
+                            &client,
+                            &base,
+                            &user,
+                            &key,
+                            &target,
+                            action,
+                            Duration::from_secs(10),
+                        )
+                        .await,
                     }],
                 };
                 if let Ok(mut l) = log.lock() {
@@ -270,7 +374,9 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
                 svc.vote = Some(svc.tally(&env, "vote"));
             }
             "redis FLUSHALL" => {
-                let _ = Command::new("redis-cli").args(["-p", &svc.redis_port.to_string(), "FLUSHALL"]).output();
+                let _ = Command::new("redis-cli")
+                    .args(["-p", &svc.redis_port.to_string(), "FLUSHALL"])
+                    .output();
             }
             "redis restart" => {
                 if let Some(mut r) = svc.redis.take() {
@@ -296,36 +402,52 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     // Cassandra may have restarted: a fresh session for the checker.
     env.reconnect().await;
     // Drain: the consumer catches up with everything that was published.
-    eventually("the consumer to drain", Duration::from_secs(180), || async {
-        let lag = tokio::task::spawn_blocking({
-            let (k, g) = (env.kafka.clone(), env.group.clone());
-            move || tally::consumer::lag::group_lag(&k, &g)
-        })
-        .await
-        .ok()?
-        .ok()?;
-        lag.iter().all(|l| l.messages == 0).then_some(())
-    })
+    eventually(
+        "the consumer to drain",
+        Duration::from_secs(180),
+        || async {
+            let lag = tokio::task::spawn_blocking({
+                let (k, g) = (env.kafka.clone(), env.group.clone());
+                move || tally::consumer::lag::group_lag(&k, &g)
+            })
+            .await
+            .ok()?
+            .ok()?;
+            lag.iter().all(|l| l.messages == 0).then_some(())
+        },
+    )
     .await;
 
     // --- the checker ---------------------------------------------------
     let truth = env.recount().await;
     let stats = env.stats().await;
-    let drift_before: Vec<&String> = truth.keys().filter(|t| stats.get(*t) != truth.get(*t)).collect();
+    let drift_before: Vec<&String> = truth
+        .keys()
+        .filter(|t| stats.get(*t) != truth.get(*t))
+        .collect();
 
     // Versions: every version of every (user, target) should have been
     // published, except those lost to a kill between commit and publish.
     let transitions = env.transitions().await;
     let mut published: HashMap<(String, String), Vec<i64>> = HashMap::new();
     for t in &transitions {
-        published.entry((t.user_id.to_string(), t.target_id.to_string())).or_default().push(t.version);
+        published
+            .entry((t.user_id.to_string(), t.target_id.to_string()))
+            .or_default()
+            .push(t.version);
     }
     let mut unpublished_versions = 0usize;
     for (target, (_, _, users)) in &truth {
         for (user, (version, _)) in users {
-            let seen = published.get(&(user.clone(), target.clone())).cloned().unwrap_or_default();
+            let seen = published
+                .get(&(user.clone(), target.clone()))
+                .cloned()
+                .unwrap_or_default();
             unpublished_versions += (1..=*version).filter(|v| !seen.contains(v)).count();
-            assert!(seen.iter().all(|v| *v >= 1 && v <= version), "{user} on {target}: published versions {seen:?} beyond the row's {version}");
+            assert!(
+                seen.iter().all(|v| *v >= 1 && v <= version),
+                "{user} on {target}: published versions {seen:?} beyond the row's {version}"
+            );
         }
     }
 
@@ -336,7 +458,13 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         if let Outcome::Ok { body, replayed } = &op.outcome {
             replays += usize::from(*replayed);
             let first = answers.entry(op.key.as_str()).or_insert(body.as_str());
-            assert_eq!(*first, body.as_str(), "key {} of {} answered differently on a retry", op.key, op.user);
+            assert_eq!(
+                *first,
+                body.as_str(),
+                "key {} of {} answered differently on a retry",
+                op.key,
+                op.user
+            );
         }
     }
 
@@ -344,29 +472,66 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     // has a known outcome, the row holds the last acknowledged state.
     let mut by_pair: HashMap<(&str, &str), Vec<&Op>> = HashMap::new();
     for op in &ops {
-        by_pair.entry((op.user.as_str(), op.target.as_str())).or_default().push(op);
+        by_pair
+            .entry((op.user.as_str(), op.target.as_str()))
+            .or_default()
+            .push(op);
     }
     let mut acknowledged = 0usize;
     let mut checked_pairs = 0usize;
     for ((user, target), pair_ops) in &by_pair {
-        acknowledged += pair_ops.iter().filter(|o| matches!(o.outcome, Outcome::Ok { .. })).count();
-        let settled = pair_ops.iter().all(|o| !matches!(o.outcome, Outcome::Unknown) || answers.contains_key(o.key.as_str()));
-        let Some(last) = pair_ops.iter().filter(|o| matches!(o.outcome, Outcome::Ok { .. })).max_by_key(|o| o.started) else { continue };
+        acknowledged += pair_ops
+            .iter()
+            .filter(|o| matches!(o.outcome, Outcome::Ok { .. }))
+            .count();
+        let settled = pair_ops.iter().all(|o| {
+            !matches!(o.outcome, Outcome::Unknown) || answers.contains_key(o.key.as_str())
+        });
+        let Some(last) = pair_ops
+            .iter()
+            .filter(|o| matches!(o.outcome, Outcome::Ok { .. }))
+            .max_by_key(|o| o.started)
+        else {
+            continue;
+        };
         if !settled {
             continue;
         }
         checked_pairs += 1;
-        let row = truth.get(*target).and_then(|(_, _, users)| users.get(*user)).map(|(_, s)| s.as_str()).unwrap_or("none");
-        assert_eq!(row, last.action, "acknowledged vote lost: {user} on {target}: told {} (key {}), row says {row}", last.action, last.key);
+        let row = truth
+            .get(*target)
+            .and_then(|(_, _, users)| users.get(*user))
+            .map(|(_, s)| s.as_str())
+            .unwrap_or("none");
+        assert_eq!(
+            row, last.action,
+            "acknowledged vote lost: {user} on {target}: told {} (key {}), row says {row}",
+            last.action, last.key
+        );
     }
 
     // Reconcile repairs whatever the faults left, and then nothing drifts.
-    let out = env.tally().args(["reconcile", "--all", "--rate", "0", "--json"]).output().unwrap_or_else(|e| panic!("{e}"));
-    assert!(out.status.success(), "reconcile failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = env
+        .tally()
+        .args(["reconcile", "--all", "--rate", "0", "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        out.status.success(),
+        "reconcile failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let reconcile: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     let after = env.stats().await;
-    let drift_after: Vec<&String> = truth.keys().filter(|t| after.get(*t) != truth.get(*t)).collect();
-    assert!(drift_after.is_empty(), "drift after reconcile: {:?}", &drift_after[..drift_after.len().min(5)]);
+    let drift_after: Vec<&String> = truth
+        .keys()
+        .filter(|t| after.get(*t) != truth.get(*t))
+        .collect();
+    assert!(
+        drift_after.is_empty(),
+        "drift after reconcile: {:?}",
+        &drift_after[..drift_after.len().min(5)]
+    );
 
     // Cached totals equal the truth once entries have expired (TTL 3-5 s)
     // and refilled from the repaired durable totals: polled, not slept.
@@ -375,8 +540,16 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     loop {
         let mut cache_mismatches = Vec::new();
         for chunk in ids.chunks(100) {
-            let list = chunk.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",");
-            let res = client.get(format!("{base}/v1/votes/summary?target_ids={list}")).bearer_auth(token("checker")).send().await;
+            let list = chunk
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(",");
+            let res = client
+                .get(format!("{base}/v1/votes/summary?target_ids={list}"))
+                .bearer_auth(token("checker"))
+                .send()
+                .await;
             let body: serde_json::Value = match res {
                 Ok(r) => r.json().await.unwrap_or_default(),
                 Err(e) => panic!("summary failed: {e}"),
@@ -384,7 +557,9 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
             for t in chunk {
                 let (likes, dislikes, _) = &truth[*t];
                 let item = &body["items"][t.as_str()];
-                if item["likes"].as_i64() != Some(*likes) || item["dislikes"].as_i64() != Some(*dislikes) {
+                if item["likes"].as_i64() != Some(*likes)
+                    || item["dislikes"].as_i64() != Some(*dislikes)
+                {
                     cache_mismatches.push(format!("{t}: served {item}, truth {likes}/{dislikes}"));
                 }
             }
@@ -428,10 +603,16 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         "targets_drifted_after_reconcile": 0,
         "cache_mismatches_after_ttl": 0,
     });
-    eprintln!("chaos report: {}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    eprintln!(
+        "chaos report: {}",
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    );
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tally-chaos");
     let _ = std::fs::create_dir_all(&dir);
-    let _ = std::fs::write(dir.join(format!("report-seed{seed}.json")), report.to_string());
+    let _ = std::fs::write(
+        dir.join(format!("report-seed{seed}.json")),
+        report.to_string(),
+    );
     // Drift before reconcile can only come from a publish lost between a
     // commit and its publish (a kill -9 of tally vote, or Kafka down).
     assert!(

@@ -10,9 +10,13 @@ use tally::store::{self, CassandraConfig, migrate::Replication};
 
 /// True when Cassandra, Kafka and Redis answer on their local ports.
 pub fn stack_up() -> bool {
-    ["127.0.0.1:9042", "127.0.0.1:9092", "127.0.0.1:6379"].iter().all(|a| {
-        a.parse().ok().is_some_and(|addr| std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok())
-    })
+    ["127.0.0.1:9042", "127.0.0.1:9092", "127.0.0.1:6379"]
+        .iter()
+        .all(|a| {
+            a.parse().ok().is_some_and(|addr| {
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+            })
+        })
 }
 
 pub fn skip_message(bench: &str) {
@@ -31,18 +35,37 @@ pub async fn bench_env(name: &str, partitions: i32) -> BenchEnv {
     let cassandra = CassandraConfig::local(&format!("b_{id}"));
     let kafka = KafkaConfig::local(&format!("b-{id}-transitions"));
     let redis = RedisConfig::local(&format!("b-{id}"));
-    let session = store::connect(&cassandra).await.unwrap_or_else(|e| panic!("{e:#}"));
-    store::migrate::run(&session, &cassandra.keyspace, &Replication::Simple(1)).await.unwrap_or_else(|e| panic!("{e:#}"));
-    tally::bus::admin::ensure_topics(&kafka, partitions, 1).await.unwrap_or_else(|e| panic!("{e:#}"));
-    BenchEnv { cassandra, kafka, redis }
+    let session = store::connect(&cassandra)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    store::migrate::run(&session, &cassandra.keyspace, &Replication::Simple(1))
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    tally::bus::admin::ensure_topics(&kafka, partitions, 1)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    BenchEnv {
+        cassandra,
+        kafka,
+        redis,
+    }
 }
 
 impl BenchEnv {
     pub async fn drop_all(&self) {
         if let Ok(session) = store::connect(&self.cassandra).await {
-            let _ = session.query_unpaged(format!("DROP KEYSPACE IF EXISTS {}", self.cassandra.keyspace), ()).await;
+            let _ = session
+                .query_unpaged(
+                    format!("DROP KEYSPACE IF EXISTS {}", self.cassandra.keyspace),
+                    (),
+                )
+                .await;
         }
-        let _ = tally::bus::admin::delete_topics(&self.kafka, &[&self.kafka.topic, &self.kafka.dead_letter_topic]).await;
+        let _ = tally::bus::admin::delete_topics(
+            &self.kafka,
+            &[&self.kafka.topic, &self.kafka.dead_letter_topic],
+        )
+        .await;
     }
 }
 
@@ -67,7 +90,10 @@ impl Zipf {
     }
 
     pub fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.state = self
+            .state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.state >> 11) as f64 / (1u64 << 53) as f64
     }
 
@@ -94,7 +120,14 @@ pub struct Percentiles {
 
 pub fn percentiles(h: &hdrhistogram::Histogram<u64>) -> Percentiles {
     let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
-    Percentiles { p50: ms(0.50), p90: ms(0.90), p95: ms(0.95), p99: ms(0.99), max: h.max() as f64 / 1000.0, count: h.len() }
+    Percentiles {
+        p50: ms(0.50),
+        p90: ms(0.90),
+        p95: ms(0.95),
+        p99: ms(0.99),
+        max: h.max() as f64 / 1000.0,
+        count: h.len(),
+    }
 }
 
 pub fn histogram() -> hdrhistogram::Histogram<u64> {

@@ -33,13 +33,18 @@ pub enum ApiError {
     RateLimited(std::time::Duration),
     #[error("the service is at capacity; nothing was changed, retry")]
     Overloaded,
-    #[error("a dependency is unavailable; nothing was changed, retry with the same Idempotency-Key")]
+    #[error(
+        "a dependency is unavailable; nothing was changed, retry with the same Idempotency-Key"
+    )]
     Unavailable(#[source] anyhow::Error),
 }
 
 impl ApiError {
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError::BadRequest { code, message: message.into() }
+        ApiError::BadRequest {
+            code,
+            message: message.into(),
+        }
     }
 
     pub fn code(&self) -> &'static str {
@@ -98,7 +103,10 @@ impl ResponseError for ApiError {
             ApiError::Unauthorized(e) => {
                 let challenge = match e {
                     AuthError::Missing => r#"Bearer realm="tally""#.to_owned(),
-                    other => format!(r#"Bearer realm="tally", error="invalid_token", error_description="{}""#, other.to_string().replace('"', "'")),
+                    other => format!(
+                        r#"Bearer realm="tally", error="invalid_token", error_description="{}""#,
+                        other.to_string().replace('"', "'")
+                    ),
                 };
                 if let Ok(v) = HeaderValue::from_str(&challenge) {
                     res.insert_header((header::WWW_AUTHENTICATE, v));

@@ -21,7 +21,11 @@ pub struct UserLimiter {
 impl UserLimiter {
     /// `rate` votes per second per user, bursts of up to `burst`.
     pub fn new(rate: f64, burst: u32) -> UserLimiter {
-        UserLimiter { rate: rate.max(0.001), burst: f64::from(burst.max(1)), buckets: Mutex::new(HashMap::new()) }
+        UserLimiter {
+            rate: rate.max(0.001),
+            burst: f64::from(burst.max(1)),
+            buckets: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Takes one token for `user`, or says how long until one is free.
@@ -30,10 +34,14 @@ impl UserLimiter {
     }
 
     fn check_at(&self, user: &UserId, now: Instant) -> Result<(), Duration> {
-        let Ok(mut buckets) = self.buckets.lock() else { return Ok(()) };
+        let Ok(mut buckets) = self.buckets.lock() else {
+            return Ok(());
+        };
         if buckets.len() >= MAX_TRACKED && !buckets.contains_key(user) {
             let (rate, burst) = (self.rate, self.burst);
-            buckets.retain(|_, (tokens, at)| *tokens + now.duration_since(*at).as_secs_f64() * rate < burst);
+            buckets.retain(|_, (tokens, at)| {
+                *tokens + now.duration_since(*at).as_secs_f64() * rate < burst
+            });
         }
         let (tokens, at) = buckets.entry(user.clone()).or_insert((self.burst, now));
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(self.burst);
@@ -58,7 +66,10 @@ mod tests {
         let t0 = Instant::now();
         assert!((0..3).all(|_| l.check_at(&u, t0).is_ok()));
         let wait = l.check_at(&u, t0).err().unwrap_or_default();
-        assert!(wait > Duration::from_millis(400) && wait <= Duration::from_millis(500), "{wait:?}");
+        assert!(
+            wait > Duration::from_millis(400) && wait <= Duration::from_millis(500),
+            "{wait:?}"
+        );
         assert!(l.check_at(&u, t0 + Duration::from_millis(500)).is_ok());
         let other = UserId::parse("v").unwrap_or_else(|e| panic!("{e}"));
         assert!(l.check_at(&other, t0).is_ok(), "buckets are per user");

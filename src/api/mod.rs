@@ -58,11 +58,19 @@ pub struct ApiConfig {
     pub user_burst: u32,
 
     /// Votes processed at once; more are answered 503 with Retry-After.
-    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
+    #[arg(
+        long = "max-in-flight",
+        env = "TALLY_MAX_IN_FLIGHT",
+        default_value_t = 1024
+    )]
     pub max_in_flight: usize,
 
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
-    #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
+    #[arg(
+        long = "consumer-group",
+        env = "TALLY_CONSUMER_GROUP",
+        default_value = "tally-consumer"
+    )]
     pub consumer_group: String,
 
     #[command(flatten)]
@@ -109,17 +117,37 @@ impl Application {
         let cache = Cache::new(&config.redis, config.cache_ttl.min)?;
         let counts = Counts::new(cache.clone(), store.clone());
         let publisher = Publisher::new(&config.kafka, config.publish_timeout)?;
-        let caster = Caster::new(store.clone(), counts.clone(), publisher, CastConfig::default());
+        let caster = Caster::new(
+            store.clone(),
+            counts.clone(),
+            publisher,
+            CastConfig::default(),
+        );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
-        let readiness = web::Data::new(Readiness::new(store.clone(), &config.kafka, cache.clone())?);
+        let readiness =
+            web::Data::new(Readiness::new(store.clone(), &config.kafka, cache.clone())?);
         let metrics = web::Data::new(crate::metrics::install());
         let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
         let in_flight = tokio::sync::Semaphore::new(config.max_in_flight.max(1));
-        let state = web::Data::new(AppState { verifier, caster, counts, store, reconciler, limiter, in_flight });
+        let state = web::Data::new(AppState {
+            verifier,
+            caster,
+            counts,
+            store,
+            reconciler,
+            limiter,
+            in_flight,
+        });
 
-        tokio::spawn(follow_consumer_lag(cache, config.cache_ttl.clone(), config.kafka.clone(), config.consumer_group.clone()));
+        tokio::spawn(follow_consumer_lag(
+            cache,
+            config.cache_ttl.clone(),
+            config.kafka.clone(),
+            config.consumer_group.clone(),
+        ));
 
-        let listener = TcpListener::bind(&config.listen).with_context(|| format!("Failed to listen on {}", config.listen))?;
+        let listener = TcpListener::bind(&config.listen)
+            .with_context(|| format!("Failed to listen on {}", config.listen))?;
         let port = listener.local_addr()?.port();
         let server = HttpServer::new(move || {
             App::new()
@@ -127,7 +155,11 @@ impl Application {
                 .app_data(readiness.clone())
                 .app_data(metrics.clone())
                 .wrap(from_fn(request_id))
-                .service(web::resource("/v1/votes").route(web::post().to(votes::cast)).default_service(web::to(only_post)))
+                .service(
+                    web::resource("/v1/votes")
+                        .route(web::post().to(votes::cast))
+                        .default_service(web::to(only_post)),
+                )
                 .service(
                     web::resource("/v1/votes/summary")
                         .route(web::get().to(summary::summary))
@@ -176,10 +208,15 @@ async fn only_get() -> Result<HttpResponse, ApiError> {
 pub const OPENAPI: &str = include_str!("openapi.json");
 
 async fn openapi() -> HttpResponse {
-    HttpResponse::Ok().content_type("application/json").body(OPENAPI)
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body(OPENAPI)
 }
 
-async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+async fn request_id(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let id = req
         .headers()
         .get(REQUEST_ID)
@@ -191,11 +228,16 @@ async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Result
     let started = std::time::Instant::now();
     let mut res = next.call(req).instrument(span.clone()).await?;
     span.in_scope(|| {
-        tracing::info!(status = res.status().as_u16(), elapsed_ms = started.elapsed().as_secs_f64() * 1000.0, "answered");
+        tracing::info!(
+            status = res.status().as_u16(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "answered"
+        );
     });
     metrics::counter!(crate::metrics::HTTP_RESPONSES, "status" => res.status().as_u16().to_string()).increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
-        res.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
+        res.headers_mut()
+            .insert(HeaderName::from_static(REQUEST_ID), v);
     }
     Ok(res)
 }
@@ -213,14 +255,19 @@ async fn follow_consumer_lag(cache: Cache, policy: TtlPolicy, kafka: KafkaConfig
             Ok(Ok(lags)) => {
                 for l in &lags {
                     let p = l.partition.to_string();
-                    metrics::gauge!(crate::metrics::GROUP_LAG_MESSAGES, "partition" => p.clone()).set(l.messages as f64);
-                    metrics::gauge!(crate::metrics::GROUP_LAG_SECONDS, "partition" => p).set(l.seconds);
+                    metrics::gauge!(crate::metrics::GROUP_LAG_MESSAGES, "partition" => p.clone())
+                        .set(l.messages as f64);
+                    metrics::gauge!(crate::metrics::GROUP_LAG_SECONDS, "partition" => p)
+                        .set(l.seconds);
                 }
                 let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
                 tracing::debug!(?lags, "consumer group lag");
                 cache.set_ttl(policy.ttl_for_lag(worst));
             }
-            Ok(Err(e)) => tracing::debug!(error = format!("{e:#}"), "consumer lag unknown; keeping the cache TTL"),
+            Ok(Err(e)) => tracing::debug!(
+                error = format!("{e:#}"),
+                "consumer lag unknown; keeping the cache TTL"
+            ),
             Err(e) => tracing::debug!(error = %e, "lag task failed"),
         }
     }

@@ -25,32 +25,62 @@ struct Summary {
     items: BTreeMap<String, Item>,
 }
 
-pub async fn summary(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub async fn summary(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     let started = std::time::Instant::now();
     let result = summary_inner(req, state).await;
     let outcome = match &result {
         Ok(_) => "ok",
         Err(e) => e.code(),
     };
-    metrics::histogram!(crate::metrics::VOTE_READ_SECONDS, "outcome" => outcome).record(started.elapsed().as_secs_f64());
+    metrics::histogram!(crate::metrics::VOTE_READ_SECONDS, "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
     result
 }
 
-async fn summary_inner(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let auth = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+async fn summary_inner(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let auth = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
     let caller = state.verifier.verify_header(auth)?;
     let targets = parse_target_ids(req.query_string())?;
 
     let (totals, states) = futures::try_join!(
-        async { state.counts.get_many(&targets).await.map_err(|e| ApiError::Unavailable(e.into())) },
-        async { state.store.reactions.states(&caller.user, &targets).await.map_err(|e| ApiError::Unavailable(e.into())) },
+        async {
+            state
+                .counts
+                .get_many(&targets)
+                .await
+                .map_err(|e| ApiError::Unavailable(e.into()))
+        },
+        async {
+            state
+                .store
+                .reactions
+                .states(&caller.user, &targets)
+                .await
+                .map_err(|e| ApiError::Unavailable(e.into()))
+        },
     )?;
     let items = targets
         .iter()
         .zip(totals)
         .map(|(t, totals)| {
             let user_state = states.get(t).copied().unwrap_or(Reaction::None);
-            (t.as_str().to_owned(), Item { likes: totals.likes, dislikes: totals.dislikes, user_state })
+            (
+                t.as_str().to_owned(),
+                Item {
+                    likes: totals.likes,
+                    dislikes: totals.dislikes,
+                    user_state,
+                },
+            )
         })
         .collect();
     Ok(HttpResponse::Ok().json(Summary { items }))
@@ -60,10 +90,15 @@ async fn summary_inner(req: HttpRequest, state: web::Data<AppState>) -> Result<H
 /// collapsing duplicates.
 pub fn parse_target_ids(query: &str) -> Result<Vec<TargetId>, ApiError> {
     let bad = |m: String| ApiError::bad_request("invalid_target_ids", m);
-    let pairs: Vec<(String, String)> =
-        serde_urlencoded::from_str(query).map_err(|e| bad(format!("malformed query string: {e}")))?;
-    let mut lists = pairs.into_iter().filter(|(k, _)| k == "target_ids").map(|(_, v)| v);
-    let list = lists.next().ok_or_else(|| bad("target_ids is required".into()))?;
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query)
+        .map_err(|e| bad(format!("malformed query string: {e}")))?;
+    let mut lists = pairs
+        .into_iter()
+        .filter(|(k, _)| k == "target_ids")
+        .map(|(_, v)| v);
+    let list = lists
+        .next()
+        .ok_or_else(|| bad("target_ids is required".into()))?;
     if lists.next().is_some() {
         return Err(bad("give target_ids once, comma separated".into()));
     }
@@ -87,11 +122,33 @@ mod tests {
     #[test]
     fn target_ids_are_parsed_collapsed_and_bounded() {
         let ids = parse_target_ids("target_ids=a,b,a").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(ids.iter().map(TargetId::as_str).collect::<Vec<_>>(), ["a", "b"]);
-        let hundred = (0..100).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
-        assert_eq!(parse_target_ids(&format!("target_ids={hundred}")).map(|v| v.len()).ok(), Some(100));
-        let too_many = (0..101).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
-        for bad in ["", "target_ids=", "target_ids=a,,b", "target_ids=a%20b", "target_ids=a&target_ids=b", "x=1", &format!("target_ids={too_many}")] {
+        assert_eq!(
+            ids.iter().map(TargetId::as_str).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        let hundred = (0..100)
+            .map(|i| format!("v{i}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert_eq!(
+            parse_target_ids(&format!("target_ids={hundred}"))
+                .map(|v| v.len())
+                .ok(),
+            Some(100)
+        );
+        let too_many = (0..101)
+            .map(|i| format!("v{i}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        for bad in [
+            "",
+            "target_ids=",
+            "target_ids=a,,b",
+            "target_ids=a%20b",
+            "target_ids=a&target_ids=b",
+            "x=1",
+            &format!("target_ids={too_many}"),
+        ] {
             assert!(parse_target_ids(bad).is_err(), "{bad:?} should be rejected");
         }
     }

@@ -36,7 +36,8 @@ pub async fn cast(
         Ok(_) => "ok",
         Err(e) => e.code(),
     };
-    metrics::histogram!(crate::metrics::VOTE_WRITE_SECONDS, "outcome" => outcome).record(started.elapsed().as_secs_f64());
+    metrics::histogram!(crate::metrics::VOTE_WRITE_SECONDS, "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
     result
 }
 
@@ -46,14 +47,26 @@ async fn cast_inner(
     payload: web::Payload,
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
-    let caller = state.verifier.verify_header(header_str(req.headers(), header::AUTHORIZATION))?;
-    state.limiter.check(&caller.user).map_err(ApiError::RateLimited)?;
-    let _permit = state.in_flight.try_acquire().map_err(|_| ApiError::Overloaded)?;
+    let caller = state
+        .verifier
+        .verify_header(header_str(req.headers(), header::AUTHORIZATION))?;
+    state
+        .limiter
+        .check(&caller.user)
+        .map_err(ApiError::RateLimited)?;
+    let _permit = state
+        .in_flight
+        .try_acquire()
+        .map_err(|_| ApiError::Overloaded)?;
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;
-    let answer = state.caster.cast(&caller.user, &key, &vote, &request_id.0).await?;
+    let answer = state
+        .caster
+        .cast(&caller.user, &key, &vote, &request_id.0)
+        .await?;
     let mut res = HttpResponse::build(
-        actix_web::http::StatusCode::from_u16(answer.status).unwrap_or(actix_web::http::StatusCode::OK),
+        actix_web::http::StatusCode::from_u16(answer.status)
+            .unwrap_or(actix_web::http::StatusCode::OK),
     );
     res.content_type("application/json");
     if answer.replayed {
@@ -68,44 +81,72 @@ fn header_str(headers: &HeaderMap, name: header::HeaderName) -> Option<&str> {
 
 fn idempotency_key(headers: &HeaderMap) -> Result<IdempotencyKey, ApiError> {
     let mut values = headers.get_all("Idempotency-Key");
-    let value = values.next().ok_or_else(|| ApiError::bad_request("missing_idempotency_key", "the Idempotency-Key header is required"))?;
+    let value = values.next().ok_or_else(|| {
+        ApiError::bad_request(
+            "missing_idempotency_key",
+            "the Idempotency-Key header is required",
+        )
+    })?;
     if values.next().is_some() {
-        return Err(ApiError::bad_request("invalid_idempotency_key", "send one Idempotency-Key header"));
+        return Err(ApiError::bad_request(
+            "invalid_idempotency_key",
+            "send one Idempotency-Key header",
+        ));
     }
-    let value = value
-        .to_str()
-        .map_err(|_| ApiError::bad_request("invalid_idempotency_key", "Idempotency-Key must be visible ASCII"))?;
-    IdempotencyKey::parse(value).map_err(|e| ApiError::bad_request("invalid_idempotency_key", e.to_string()))
+    let value = value.to_str().map_err(|_| {
+        ApiError::bad_request(
+            "invalid_idempotency_key",
+            "Idempotency-Key must be visible ASCII",
+        )
+    })?;
+    IdempotencyKey::parse(value)
+        .map_err(|e| ApiError::bad_request("invalid_idempotency_key", e.to_string()))
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
-    let Some(ct) = header_str(headers, header::CONTENT_TYPE) else { return false };
-    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+    let Some(ct) = header_str(headers, header::CONTENT_TYPE) else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 async fn parse_vote(headers: &HeaderMap, mut payload: web::Payload) -> Result<Vote, ApiError> {
     if !is_json(headers) {
         return Err(ApiError::UnsupportedMediaType);
     }
-    let declared = header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse::<usize>().ok());
+    let declared =
+        header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > MAX_BODY) {
         return Err(ApiError::TooLarge(MAX_BODY));
     }
     let mut body = web::BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request("bad_body", format!("could not read the body: {e}")))?;
+        let chunk = chunk.map_err(|e| {
+            ApiError::bad_request("bad_body", format!("could not read the body: {e}"))
+        })?;
         if body.len() + chunk.len() > MAX_BODY {
             return Err(ApiError::TooLarge(MAX_BODY));
         }
         body.extend_from_slice(&chunk);
     }
-    let raw: VoteBody =
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("malformed_json", format!("invalid JSON body: {e}")))?;
+    let raw: VoteBody = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request("malformed_json", format!("invalid JSON body: {e}")))?;
     Ok(Vote {
-        target_id: TargetId::parse(&raw.target_id).map_err(|e| ApiError::bad_request("invalid_target_id", e.to_string()))?,
-        target_type: TargetType::parse(&raw.target_type)
-            .ok_or_else(|| ApiError::bad_request("invalid_target_type", "target_type must be video or comment"))?,
+        target_id: TargetId::parse(&raw.target_id)
+            .map_err(|e| ApiError::bad_request("invalid_target_id", e.to_string()))?,
+        target_type: TargetType::parse(&raw.target_type).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_target_type",
+                "target_type must be video or comment",
+            )
+        })?,
         action: raw
             .action
             .parse::<Reaction>()

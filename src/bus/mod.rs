@@ -10,7 +10,11 @@ use rdkafka::ClientConfig;
 #[derive(clap::Args, Debug, Clone)]
 pub struct KafkaConfig {
     /// Kafka bootstrap servers, comma separated.
-    #[arg(long = "kafka-brokers", env = "TALLY_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    #[arg(
+        long = "kafka-brokers",
+        env = "TALLY_KAFKA_BROKERS",
+        default_value = "127.0.0.1:9092"
+    )]
     pub brokers: String,
 
     /// Topic the vote API publishes transitions to, keyed by target id.
@@ -18,7 +22,11 @@ pub struct KafkaConfig {
     pub topic: String,
 
     /// Topic for events the consumer cannot apply, with the reason in a header.
-    #[arg(long = "dead-letter-topic", env = "TALLY_DEAD_LETTER_TOPIC", default_value = "vote-transitions.dlq")]
+    #[arg(
+        long = "dead-letter-topic",
+        env = "TALLY_DEAD_LETTER_TOPIC",
+        default_value = "vote-transitions.dlq"
+    )]
     pub dead_letter_topic: String,
 }
 

@@ -30,16 +30,25 @@ impl Publisher {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
-            .set("message.timeout.ms", delivery_timeout.as_millis().max(1).to_string())
+            .set(
+                "message.timeout.ms",
+                delivery_timeout.as_millis().max(1).to_string(),
+            )
             .create()
             .context("Failed to create the Kafka producer")?;
-        Ok(Publisher { producer, topic: config.topic.clone() })
+        Ok(Publisher {
+            producer,
+            topic: config.topic.clone(),
+        })
     }
 
     /// Sends one transition and waits for its delivery report.
     pub async fn publish(&self, transition: &Transition, request_id: &str) -> anyhow::Result<()> {
         let payload = transition.to_json();
-        let headers = OwnedHeaders::new().insert(Header { key: REQUEST_ID_HEADER, value: Some(request_id) });
+        let headers = OwnedHeaders::new().insert(Header {
+            key: REQUEST_ID_HEADER,
+            value: Some(request_id),
+        });
         let record = FutureRecord::to(&self.topic)
             .key(transition.target_id.as_str())
             .payload(&payload)

@@ -7,17 +7,28 @@ use deadpool_redis::{Config, Pool, Runtime};
 #[derive(clap::Args, Debug, Clone)]
 pub struct RedisConfig {
     /// Redis URL of the count cache.
-    #[arg(long = "redis-url", env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(
+        long = "redis-url",
+        env = "TALLY_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379"
+    )]
     pub url: String,
 
     /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
-    #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally")]
+    #[arg(
+        long = "redis-prefix",
+        env = "TALLY_REDIS_PREFIX",
+        default_value = "tally"
+    )]
     pub prefix: String,
 }
 
 impl RedisConfig {
     pub fn local(prefix: &str) -> RedisConfig {
-        RedisConfig { url: "redis://127.0.0.1:6379".into(), prefix: prefix.into() }
+        RedisConfig {
+            url: "redis://127.0.0.1:6379".into(),
+            prefix: prefix.into(),
+        }
     }
 }
 
@@ -122,7 +133,8 @@ impl Cache {
         for t in targets {
             pipe.cmd("HMGET").arg(self.key(t)).arg("l").arg("d");
         }
-        let rows: Vec<(Option<i64>, Option<i64>)> = pipe.query_async(&mut self.conn().await?).await?;
+        let rows: Vec<(Option<i64>, Option<i64>)> =
+            pipe.query_async(&mut self.conn().await?).await?;
         Ok(rows
             .into_iter()
             .map(|row| match row {
@@ -134,7 +146,11 @@ impl Cache {
 
     /// Applies a delta to an existing entry; returns the new totals, or
     /// `None` when there is no entry.
-    pub async fn apply(&self, target: &TargetId, delta: Delta) -> Result<Option<Totals>, CacheError> {
+    pub async fn apply(
+        &self,
+        target: &TargetId,
+        delta: Delta,
+    ) -> Result<Option<Totals>, CacheError> {
         let r: Option<(i64, i64)> = self
             .apply
             .key(self.key(target))
@@ -146,7 +162,12 @@ impl Cache {
     }
 
     /// Fills a missing entry from `durable`, then applies `delta`.
-    pub async fn fill_then_apply(&self, target: &TargetId, durable: Totals, delta: Delta) -> Result<Totals, CacheError> {
+    pub async fn fill_then_apply(
+        &self,
+        target: &TargetId,
+        durable: Totals,
+        delta: Delta,
+    ) -> Result<Totals, CacheError> {
         let (likes, dislikes): (i64, i64) = self
             .fill_then_apply
             .key(self.key(target))
@@ -162,12 +183,17 @@ impl Cache {
 
     /// Drops a target's entry, so the next read refills it from the durable totals.
     pub async fn invalidate(&self, target: &TargetId) -> Result<(), CacheError> {
-        let () = redis::cmd("DEL").arg(self.key(target)).query_async(&mut self.conn().await?).await?;
+        let () = redis::cmd("DEL")
+            .arg(self.key(target))
+            .query_async(&mut self.conn().await?)
+            .await?;
         Ok(())
     }
 
     pub async fn ping(&self) -> Result<(), CacheError> {
-        let _: String = redis::cmd("PING").query_async(&mut self.conn().await?).await?;
+        let _: String = redis::cmd("PING")
+            .query_async(&mut self.conn().await?)
+            .await?;
         Ok(())
     }
 }
@@ -199,7 +225,10 @@ mod tests {
 
     #[test]
     fn the_ttl_follows_lag_within_bounds() {
-        let p = TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) };
+        let p = TtlPolicy {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+        };
         assert_eq!(p.ttl_for_lag(0.0), Duration::from_secs(60));
         assert_eq!(p.ttl_for_lag(100.0), Duration::from_secs(210));
         assert_eq!(p.ttl_for_lag(1e7), Duration::from_secs(3600));

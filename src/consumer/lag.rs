@@ -12,7 +12,6 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::OwnedMessage;
 use tokio::sync::watch;
 
-
 /// How often lag is measured and published.
 pub const INTERVAL: Duration = Duration::from_secs(5);
 
@@ -47,19 +46,26 @@ pub struct PartitionLag {
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// Measures the lag of every assigned partition. A partition with messages
 /// waiting is as many seconds behind as its last processed message is old;
 /// one never processed counts from its committed offset, with unknown age.
 pub fn measure(consumer: &StreamConsumer, topic: &str, positions: &Positions) -> Vec<PartitionLag> {
-    let Ok(assignment) = consumer.assignment() else { return Vec::new() };
+    let Ok(assignment) = consumer.assignment() else {
+        return Vec::new();
+    };
     let committed = consumer.committed(Duration::from_secs(2)).ok();
     let mut out = Vec::new();
     for elem in assignment.elements_for_topic(topic) {
         let p = elem.partition();
-        let Ok((low, high)) = consumer.fetch_watermarks(topic, p, Duration::from_secs(2)) else { continue };
+        let Ok((low, high)) = consumer.fetch_watermarks(topic, p, Duration::from_secs(2)) else {
+            continue;
+        };
         let (next, seconds_source) = match positions.get(p) {
             Some((next, ts)) => (next, Some(ts)),
             None => {
@@ -77,13 +83,22 @@ pub fn measure(consumer: &StreamConsumer, topic: &str, positions: &Positions) ->
             (_, Some(ts)) => ((now_ms() - ts).max(0) as f64) / 1000.0,
             (_, None) => 0.0,
         };
-        out.push(PartitionLag { partition: p, messages, seconds });
+        out.push(PartitionLag {
+            partition: p,
+            messages,
+            seconds,
+        });
     }
     out
 }
 
 /// Measures lag every `INTERVAL`, logs it and sets the gauges.
-pub async fn report(consumer: Arc<StreamConsumer>, topic: String, positions: Positions, mut stop: watch::Receiver<bool>) {
+pub async fn report(
+    consumer: Arc<StreamConsumer>,
+    topic: String,
+    positions: Positions,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut tick = tokio::time::interval(INTERVAL);
     let mut n: u64 = 0;
     loop {
@@ -92,17 +107,25 @@ pub async fn report(consumer: Arc<StreamConsumer>, topic: String, positions: Pos
             _ = stop.changed() => return,
         }
         let (c, t, p) = (consumer.clone(), topic.clone(), positions.clone());
-        let Ok(lags) = tokio::task::spawn_blocking(move || measure(&c, &t, &p)).await else { continue };
+        let Ok(lags) = tokio::task::spawn_blocking(move || measure(&c, &t, &p)).await else {
+            continue;
+        };
         for l in &lags {
             let p = l.partition.to_string();
-            metrics::gauge!(crate::metrics::CONSUMER_LAG_MESSAGES, "partition" => p.clone()).set(l.messages as f64);
+            metrics::gauge!(crate::metrics::CONSUMER_LAG_MESSAGES, "partition" => p.clone())
+                .set(l.messages as f64);
             metrics::gauge!(crate::metrics::CONSUMER_LAG_SECONDS, "partition" => p).set(l.seconds);
         }
         let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
         let behind: i64 = lags.iter().map(|l| l.messages).sum();
         n += 1;
         if n % 6 == 1 || behind > 0 {
-            tracing::info!(messages_behind = behind, seconds_behind = worst, partitions = lags.len(), "consumer lag");
+            tracing::info!(
+                messages_behind = behind,
+                seconds_behind = worst,
+                partitions = lags.len(),
+                "consumer lag"
+            );
         }
     }
 }
@@ -110,10 +133,13 @@ pub async fn report(consumer: Arc<StreamConsumer>, topic: String, positions: Pos
 /// The group's lag as seen from outside the consumer, from its committed
 /// offsets: what the vote API exports and sizes the cache TTL by. It keeps
 /// rising while every consumer is down, which is when it matters most.
-pub fn group_lag(kafka: &crate::bus::KafkaConfig, group: &str) -> anyhow::Result<Vec<PartitionLag>> {
+pub fn group_lag(
+    kafka: &crate::bus::KafkaConfig,
+    group: &str,
+) -> anyhow::Result<Vec<PartitionLag>> {
     use anyhow::Context;
-    use rdkafka::consumer::BaseConsumer;
     use rdkafka::TopicPartitionList;
+    use rdkafka::consumer::BaseConsumer;
 
     let observer: BaseConsumer = kafka
         .client()
@@ -121,29 +147,57 @@ pub fn group_lag(kafka: &crate::bus::KafkaConfig, group: &str) -> anyhow::Result
         .set("enable.auto.commit", "false")
         .create()
         .context("Failed to create the lag observer")?;
-    let metadata = observer.fetch_metadata(Some(&kafka.topic), Duration::from_secs(2)).context("no topic metadata")?;
-    let partitions: Vec<i32> = metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+    let metadata = observer
+        .fetch_metadata(Some(&kafka.topic), Duration::from_secs(2))
+        .context("no topic metadata")?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .iter()
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect();
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
         tpl.add_partition(&kafka.topic, *p);
     }
-    let committed = observer.committed_offsets(tpl, Duration::from_secs(2)).context("no committed offsets")?;
+    let committed = observer
+        .committed_offsets(tpl, Duration::from_secs(2))
+        .context("no committed offsets")?;
     let mut out = Vec::new();
     for p in partitions {
-        let (low, high) = observer.fetch_watermarks(&kafka.topic, p, Duration::from_secs(2)).context("no watermarks")?;
-        let next = committed.find_partition(&kafka.topic, p).and_then(|e| e.offset().to_raw()).filter(|o| *o >= 0).unwrap_or(low);
+        let (low, high) = observer
+            .fetch_watermarks(&kafka.topic, p, Duration::from_secs(2))
+            .context("no watermarks")?;
+        let next = committed
+            .find_partition(&kafka.topic, p)
+            .and_then(|e| e.offset().to_raw())
+            .filter(|o| *o >= 0)
+            .unwrap_or(low);
         let messages = (high - next).max(0);
-        let seconds = if messages > 0 { oldest_age(&observer, &kafka.topic, p, next).unwrap_or(0.0) } else { 0.0 };
-        out.push(PartitionLag { partition: p, messages, seconds });
+        let seconds = if messages > 0 {
+            oldest_age(&observer, &kafka.topic, p, next).unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        out.push(PartitionLag {
+            partition: p,
+            messages,
+            seconds,
+        });
     }
     Ok(out)
 }
 
 /// How old the message at `offset` is: the oldest one not yet processed.
-fn oldest_age(observer: &rdkafka::consumer::BaseConsumer, topic: &str, partition: i32, offset: i64) -> Option<f64> {
+fn oldest_age(
+    observer: &rdkafka::consumer::BaseConsumer,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Option<f64> {
     use rdkafka::{Offset, TopicPartitionList};
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).ok()?;
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset))
+        .ok()?;
     observer.assign(&tpl).ok()?;
     let message = observer.poll(Duration::from_secs(2))?.ok()?;
     let ts = message.timestamp().to_millis()?;

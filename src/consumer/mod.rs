@@ -55,7 +55,11 @@ pub struct ConsumerConfig {
     pub batch_wait: Duration,
 
     /// Targets written concurrently within one batch.
-    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16)]
+    #[arg(
+        long = "write-parallelism",
+        env = "TALLY_WRITE_PARALLELISM",
+        default_value_t = 16
+    )]
     pub parallelism: usize,
 
     /// How long a stop (SIGTERM) waits for the batch in hand to be written.
@@ -66,7 +70,11 @@ pub struct ConsumerConfig {
     pub mode: WriteMode,
 
     /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
-    #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
+    #[arg(
+        long = "listen",
+        env = "TALLY_CONSUMER_LISTEN",
+        default_value = "127.0.0.1:9091"
+    )]
     pub listen: String,
 
     #[command(flatten)]
@@ -98,7 +106,11 @@ pub struct Progress {
 
 /// Runs until `stop` turns true, then finishes the batch in hand (up to
 /// `drain_timeout`), commits what was written, and leaves the group.
-pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progress: Arc<Progress>) -> anyhow::Result<()> {
+pub async fn run(
+    config: ConsumerConfig,
+    mut stop: watch::Receiver<bool>,
+    progress: Arc<Progress>,
+) -> anyhow::Result<()> {
     let store = Arc::new(Store::open(&config.cassandra, Duration::from_secs(1)).await?);
     let consumer: Arc<StreamConsumer> = Arc::new(
         config
@@ -115,7 +127,9 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
             .create()
             .context("Failed to create the Kafka consumer")?,
     );
-    consumer.subscribe(&[&config.kafka.topic]).context("Failed to subscribe")?;
+    consumer
+        .subscribe(&[&config.kafka.topic])
+        .context("Failed to subscribe")?;
     let dead_letters: FutureProducer = config
         .kafka
         .client()
@@ -125,15 +139,26 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
         .context("Failed to create the dead-letter producer")?;
     let cache = Cache::new(&config.redis, Duration::from_secs(60))?;
     let readiness = crate::ops::Readiness::new(store.clone(), &config.kafka, cache.clone())?;
-    let (port, ops_server) = crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
+    let (port, ops_server) =
+        crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
     progress.ops_port.store(u64::from(port), Ordering::Relaxed);
     let ops_handle = ops_server.handle();
     tokio::spawn(ops_server);
     let positions = lag::Positions::default();
-    let lag_task = tokio::spawn(lag::report(consumer.clone(), config.kafka.topic.clone(), positions.clone(), stop.clone()));
+    let lag_task = tokio::spawn(lag::report(
+        consumer.clone(),
+        config.kafka.topic.clone(),
+        positions.clone(),
+        stop.clone(),
+    ));
     tracing::info!(group = %config.group, topic = %config.kafka.topic, mode = ?config.mode, "tally consumer started");
 
-    let worker = Worker { config: &config, stats: &store.stats, dead_letters: &dead_letters, progress: &progress };
+    let worker = Worker {
+        config: &config,
+        stats: &store.stats,
+        dead_letters: &dead_letters,
+        progress: &progress,
+    };
     let result = loop {
         if *stop.borrow() {
             break Ok(());
@@ -154,7 +179,9 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
             Ok(()) => {
                 store_offsets(&consumer, &config.kafka.topic, &batch);
                 positions.advance(&batch);
-                progress.processed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                progress
+                    .processed
+                    .fetch_add(batch.len() as u64, Ordering::Relaxed);
                 progress.batches.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => break Err(e),
@@ -168,7 +195,10 @@ pub async fn run(config: ConsumerConfig, mut stop: watch::Receiver<bool>, progre
     consumer.unsubscribe();
     lag_task.abort();
     ops_handle.stop(true).await;
-    tracing::info!(processed = progress.processed.load(Ordering::Relaxed), "tally consumer stopped");
+    tracing::info!(
+        processed = progress.processed.load(Ordering::Relaxed),
+        "tally consumer stopped"
+    );
     result
 }
 
@@ -236,7 +266,11 @@ impl Worker<'_> {
     /// Writes everything a batch means. Returns only when all of it landed
     /// (or the consumer is stopping and gave up, in which case no offset of
     /// this batch may be stored).
-    async fn process(&self, batch: &[OwnedMessage], stop: &watch::Receiver<bool>) -> anyhow::Result<()> {
+    async fn process(
+        &self,
+        batch: &[OwnedMessage],
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
         let mut by_target: HashMap<TargetId, Vec<Transition>> = HashMap::new();
         for m in batch {
             match Transition::from_json(m.payload().unwrap_or_default()) {
@@ -244,16 +278,25 @@ impl Worker<'_> {
                 Err(reason) => self.dead_letter(m, &reason.to_string(), stop).await?,
             }
         }
-        let writes = by_target.into_iter().map(|(target, events)| async move { self.apply_target(&target, &events, stop).await });
-        let results: Vec<anyhow::Result<()>> =
-            futures::stream::iter(writes).buffer_unordered(self.config.parallelism.max(1)).collect().await;
+        let writes = by_target
+            .into_iter()
+            .map(|(target, events)| async move { self.apply_target(&target, &events, stop).await });
+        let results: Vec<anyhow::Result<()>> = futures::stream::iter(writes)
+            .buffer_unordered(self.config.parallelism.max(1))
+            .collect()
+            .await;
         results.into_iter().collect()
     }
 
     /// Folds a target's events into its ledger and writes the result, in
     /// chunks of at most `MAX_USERS_PER_WRITE` users (one event per chunk in
     /// per-event mode). Retries until each write lands.
-    async fn apply_target(&self, target: &TargetId, events: &[Transition], stop: &watch::Receiver<bool>) -> anyhow::Result<()> {
+    async fn apply_target(
+        &self,
+        target: &TargetId,
+        events: &[Transition],
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
         let per_chunk = match self.config.mode {
             WriteMode::Batched => MAX_USERS_PER_WRITE,
             WriteMode::PerEvent => 1,
@@ -273,21 +316,37 @@ impl Worker<'_> {
                             ledger.apply(&t.user_id, t.version, Some(t.from), t.to);
                         }
                         if ledger.changed.is_empty() {
-                            metrics::counter!(crate::metrics::EVENTS, "result" => "replay").increment(ledger.replays);
-                            self.progress.replays.fetch_add(ledger.replays, Ordering::Relaxed);
+                            metrics::counter!(crate::metrics::EVENTS, "result" => "replay")
+                                .increment(ledger.replays);
+                            self.progress
+                                .replays
+                                .fetch_add(ledger.replays, Ordering::Relaxed);
                             break;
                         }
                         let changed: Vec<&UserId> = ledger.changed.iter().collect();
                         self.progress.requests.fetch_add(1, Ordering::Relaxed);
-                        let written = self.stats.write(target, Some(chunk[0].target_type), read.seq, &ledger, &changed).await;
+                        let written = self
+                            .stats
+                            .write(
+                                target,
+                                Some(chunk[0].target_type),
+                                read.seq,
+                                &ledger,
+                                &changed,
+                            )
+                            .await;
                         crate::metrics::cas("stats", &written);
                         match written {
                             Cas::Applied => {
-                                metrics::counter!(crate::metrics::EVENTS, "result" => "applied").increment(chunk.len() as u64 - ledger.replays);
-                                metrics::counter!(crate::metrics::EVENTS, "result" => "replay").increment(ledger.replays);
+                                metrics::counter!(crate::metrics::EVENTS, "result" => "applied")
+                                    .increment(chunk.len() as u64 - ledger.replays);
+                                metrics::counter!(crate::metrics::EVENTS, "result" => "replay")
+                                    .increment(ledger.replays);
                                 metrics::counter!(crate::metrics::GAPS).increment(ledger.gaps);
                                 self.progress.writes.fetch_add(1, Ordering::Relaxed);
-                                self.progress.replays.fetch_add(ledger.replays, Ordering::Relaxed);
+                                self.progress
+                                    .replays
+                                    .fetch_add(ledger.replays, Ordering::Relaxed);
                                 self.progress.gaps.fetch_add(ledger.gaps, Ordering::Relaxed);
                                 if ledger.gaps > 0 {
                                     tracing::info!(target_id = %target, gaps = ledger.gaps, "transitions arrived out of order or were lost; counted from the applied state");
@@ -298,7 +357,9 @@ impl Worker<'_> {
                             // have landed: re-read at SERIAL and fold again. If
                             // it landed, the versions are now replays.
                             Cas::NotApplied => {
-                                self.progress.fence_conflicts.fetch_add(1, Ordering::Relaxed);
+                                self.progress
+                                    .fence_conflicts
+                                    .fetch_add(1, Ordering::Relaxed);
                                 Ok(())
                             }
                             Cas::Unknown(e) => {
@@ -327,32 +388,60 @@ impl Worker<'_> {
     /// Sends an event the consumer cannot apply to the dead-letter topic,
     /// with the reason and its origin in headers, and waits until Kafka has
     /// it: a poison message is never silently skipped, and never blocks.
-    async fn dead_letter(&self, m: &OwnedMessage, reason: &str, stop: &watch::Receiver<bool>) -> anyhow::Result<()> {
+    async fn dead_letter(
+        &self,
+        m: &OwnedMessage,
+        reason: &str,
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
         let (partition, offset) = (m.partition().to_string(), m.offset().to_string());
         loop {
             let headers = OwnedHeaders::new()
-                .insert(Header { key: "tally-dlq-reason", value: Some(reason) })
-                .insert(Header { key: "tally-source-topic", value: Some(m.topic()) })
-                .insert(Header { key: "tally-source-partition", value: Some(&partition) })
-                .insert(Header { key: "tally-source-offset", value: Some(&offset) });
+                .insert(Header {
+                    key: "tally-dlq-reason",
+                    value: Some(reason),
+                })
+                .insert(Header {
+                    key: "tally-source-topic",
+                    value: Some(m.topic()),
+                })
+                .insert(Header {
+                    key: "tally-source-partition",
+                    value: Some(&partition),
+                })
+                .insert(Header {
+                    key: "tally-source-offset",
+                    value: Some(&offset),
+                });
             let mut record = FutureRecord::to(&self.config.kafka.dead_letter_topic)
                 .payload(m.payload().unwrap_or_default())
                 .headers(headers);
             if let Some(key) = m.key() {
                 record = record.key(key);
             }
-            match self.dead_letters.send(record, Timeout::After(Duration::from_secs(5))).await {
+            match self
+                .dead_letters
+                .send(record, Timeout::After(Duration::from_secs(5)))
+                .await
+            {
                 Ok(_) => {
                     self.progress.dead_lettered.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!(crate::metrics::DEAD_LETTERED).increment(1);
-                    tracing::warn!(partition = m.partition(), offset = m.offset(), reason, "event dead-lettered");
+                    tracing::warn!(
+                        partition = m.partition(),
+                        offset = m.offset(),
+                        reason,
+                        "event dead-lettered"
+                    );
                     return Ok(());
                 }
                 Err((e, _)) if !*stop.borrow() => {
                     tracing::warn!(error = %e, "dead-letter publish failed; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
-                Err((e, _)) => anyhow::bail!("stopping before a poison message reached the dead-letter topic: {e}"),
+                Err((e, _)) => anyhow::bail!(
+                    "stopping before a poison message reached the dead-letter topic: {e}"
+                ),
             }
         }
     }
@@ -397,11 +486,27 @@ mod tests {
 
     #[test]
     fn chunks_keep_order_and_bound_distinct_users() {
-        let events = [ev("a", 1), ev("b", 1), ev("a", 2), ev("c", 1), ev("b", 2), ev("d", 1)];
+        let events = [
+            ev("a", 1),
+            ev("b", 1),
+            ev("a", 2),
+            ev("c", 1),
+            ev("b", 2),
+            ev("d", 1),
+        ];
         let chunks = chunks_by_users(&events, 2);
-        let shape: Vec<Vec<(&str, i64)>> =
-            chunks.iter().map(|c| c.iter().map(|t| (t.user_id.as_str(), t.version)).collect()).collect();
-        assert_eq!(shape, vec![vec![("a", 1), ("b", 1), ("a", 2)], vec![("c", 1), ("b", 2)], vec![("d", 1)]]);
+        let shape: Vec<Vec<(&str, i64)>> = chunks
+            .iter()
+            .map(|c| c.iter().map(|t| (t.user_id.as_str(), t.version)).collect())
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                vec![("a", 1), ("b", 1), ("a", 2)],
+                vec![("c", 1), ("b", 2)],
+                vec![("d", 1)]
+            ]
+        );
         assert_eq!(chunks_by_users(&events, 1).len(), 6);
         assert!(chunks_by_users(&[], 3).is_empty());
     }

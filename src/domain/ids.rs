@@ -10,7 +10,10 @@ pub enum IdError {
     #[error("{what} must be 1 to {max} characters long")]
     Length { what: &'static str, max: usize },
     #[error("{what} may contain only {allowed}")]
-    Charset { what: &'static str, allowed: &'static str },
+    Charset {
+        what: &'static str,
+        allowed: &'static str,
+    },
 }
 
 /// A video or comment id: 1..=128 of `[A-Za-z0-9_.:-]`. The charset keeps ids
@@ -25,10 +28,19 @@ impl TargetId {
 
     pub fn parse(s: &str) -> Result<TargetId, IdError> {
         if s.is_empty() || s.len() > Self::MAX_LEN {
-            return Err(IdError::Length { what: "target_id", max: Self::MAX_LEN });
+            return Err(IdError::Length {
+                what: "target_id",
+                max: Self::MAX_LEN,
+            });
         }
-        if !s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-')) {
-            return Err(IdError::Charset { what: "target_id", allowed: "letters, digits, '_', '.', ':' and '-'" });
+        if !s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+        {
+            return Err(IdError::Charset {
+                what: "target_id",
+                allowed: "letters, digits, '_', '.', ':' and '-'",
+            });
         }
         Ok(TargetId(s.to_owned()))
     }
@@ -62,10 +74,16 @@ impl UserId {
 
     pub fn parse(s: &str) -> Result<UserId, IdError> {
         if s.is_empty() || s.len() > Self::MAX_LEN {
-            return Err(IdError::Length { what: "user id", max: Self::MAX_LEN });
+            return Err(IdError::Length {
+                what: "user id",
+                max: Self::MAX_LEN,
+            });
         }
         if s.chars().any(char::is_control) {
-            return Err(IdError::Charset { what: "user id", allowed: "printable characters" });
+            return Err(IdError::Charset {
+                what: "user id",
+                allowed: "printable characters",
+            });
         }
         Ok(UserId(s.to_owned()))
     }
@@ -122,10 +140,16 @@ impl IdempotencyKey {
 
     pub fn parse(s: &str) -> Result<IdempotencyKey, IdError> {
         if s.is_empty() || s.len() > Self::MAX_LEN {
-            return Err(IdError::Length { what: "Idempotency-Key", max: Self::MAX_LEN });
+            return Err(IdError::Length {
+                what: "Idempotency-Key",
+                max: Self::MAX_LEN,
+            });
         }
         if !s.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(IdError::Charset { what: "Idempotency-Key", allowed: "visible ASCII characters" });
+            return Err(IdError::Charset {
+                what: "Idempotency-Key",
+                allowed: "visible ASCII characters",
+            });
         }
         Ok(IdempotencyKey(s.to_owned()))
     }
@@ -155,7 +179,10 @@ mod tests {
         assert!(IdempotencyKey::parse("3f2c-uuid-like").is_ok());
         assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
         for bad in ["", "with space", "tab\t", "é", &"k".repeat(256)] {
-            assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?} should be rejected");
+            assert!(
+                IdempotencyKey::parse(bad).is_err(),
+                "{bad:?} should be rejected"
+            );
         }
     }
 

@@ -20,7 +20,11 @@ pub struct Ledger {
 
 impl Ledger {
     pub fn new(totals: Totals, applied: HashMap<UserId, Applied>) -> Ledger {
-        Ledger { totals, applied, ..Ledger::default() }
+        Ledger {
+            totals,
+            applied,
+            ..Ledger::default()
+        }
     }
 
     /// Applies one transition of `user` to `to` at `version`. `from` is the
@@ -64,7 +68,13 @@ mod tests {
         l.apply(&user(1), 1, Some(Reaction::None), Reaction::Like);
         l.apply(&user(2), 1, Some(Reaction::None), Reaction::Dislike);
         l.apply(&user(1), 2, Some(Reaction::Like), Reaction::Dislike);
-        assert_eq!(l.totals, Totals { likes: 0, dislikes: 2 });
+        assert_eq!(
+            l.totals,
+            Totals {
+                likes: 0,
+                dislikes: 2
+            }
+        );
         assert_eq!(l.replays, 1);
         assert_eq!(l.gaps, 0);
         assert_eq!(l.recount(), l.totals);
@@ -72,12 +82,30 @@ mod tests {
 
     #[test]
     fn version_6_before_5_ends_at_6_and_counts_a_gap() {
-        let at4 = HashMap::from([(user(1), Applied { version: 4, state: Reaction::None })]);
+        let at4 = HashMap::from([(
+            user(1),
+            Applied {
+                version: 4,
+                state: Reaction::None,
+            },
+        )]);
         let mut l = Ledger::new(Totals::default(), at4);
         l.apply(&user(1), 6, Some(Reaction::Like), Reaction::Dislike);
         l.apply(&user(1), 5, Some(Reaction::None), Reaction::Like);
-        assert_eq!(l.applied.get(&user(1)), Some(&Applied { version: 6, state: Reaction::Dislike }));
-        assert_eq!(l.totals, Totals { likes: 0, dislikes: 1 });
+        assert_eq!(
+            l.applied.get(&user(1)),
+            Some(&Applied {
+                version: 6,
+                state: Reaction::Dislike
+            })
+        );
+        assert_eq!(
+            l.totals,
+            Totals {
+                likes: 0,
+                dislikes: 1
+            }
+        );
         assert_eq!(l.gaps, 1);
         assert_eq!(l.replays, 1);
     }

@@ -33,9 +33,18 @@ impl Reaction {
     /// What this state adds to the totals: a like is (1, 0), a dislike (0, 1).
     fn contribution(self) -> Delta {
         match self {
-            Reaction::None => Delta { likes: 0, dislikes: 0 },
-            Reaction::Like => Delta { likes: 1, dislikes: 0 },
-            Reaction::Dislike => Delta { likes: 0, dislikes: 1 },
+            Reaction::None => Delta {
+                likes: 0,
+                dislikes: 0,
+            },
+            Reaction::Like => Delta {
+                likes: 1,
+                dislikes: 0,
+            },
+            Reaction::Dislike => Delta {
+                likes: 0,
+                dislikes: 1,
+            },
         }
     }
 }
@@ -75,7 +84,10 @@ impl Delta {
     /// what the new state contributes minus what the old one did.
     pub fn between(from: Reaction, to: Reaction) -> Delta {
         let (f, t) = (from.contribution(), to.contribution());
-        Delta { likes: t.likes - f.likes, dislikes: t.dislikes - f.dislikes }
+        Delta {
+            likes: t.likes - f.likes,
+            dislikes: t.dislikes - f.dislikes,
+        }
     }
 
     pub fn is_zero(self) -> bool {
@@ -110,7 +122,9 @@ impl Totals {
 
     /// The totals that a set of per-user states adds up to.
     pub fn count<I: IntoIterator<Item = Reaction>>(states: I) -> Totals {
-        states.into_iter().fold(Totals::default(), |acc, state| acc.apply(Delta::between(Reaction::None, state)))
+        states.into_iter().fold(Totals::default(), |acc, state| {
+            acc.apply(Delta::between(Reaction::None, state))
+        })
     }
 }
 
@@ -123,7 +137,10 @@ pub struct Applied {
 }
 
 impl Applied {
-    pub const NEVER: Applied = Applied { version: 0, state: Reaction::None };
+    pub const NEVER: Applied = Applied {
+        version: 0,
+        state: Reaction::None,
+    };
 }
 
 /// What applying one event did.
@@ -133,7 +150,11 @@ pub enum Outcome {
     Replay,
     /// The event is newer. `gap` is true when its `from` is not the state we
     /// had counted, which means an earlier transition was lost or reordered.
-    Apply { next: Applied, delta: Delta, gap: bool },
+    Apply {
+        next: Applied,
+        delta: Delta,
+        gap: bool,
+    },
 }
 
 /// The apply rule. A newer event moves the totals from the state we counted
@@ -170,7 +191,11 @@ mod tests {
             ((None, None), (0, 0)),
         ];
         for ((from, to), (likes, dislikes)) in table {
-            assert_eq!(Delta::between(from, to), Delta { likes, dislikes }, "{from} -> {to}");
+            assert_eq!(
+                Delta::between(from, to),
+                Delta { likes, dislikes },
+                "{from} -> {to}"
+            );
         }
     }
 
@@ -185,28 +210,50 @@ mod tests {
 
     #[test]
     fn an_applied_version_is_a_replay() {
-        let at5 = Applied { version: 5, state: Reaction::Like };
-        assert_eq!(apply(at5, 5, Reaction::None, Reaction::Like), Outcome::Replay);
-        assert_eq!(apply(at5, 3, Reaction::None, Reaction::Dislike), Outcome::Replay);
+        let at5 = Applied {
+            version: 5,
+            state: Reaction::Like,
+        };
+        assert_eq!(
+            apply(at5, 5, Reaction::None, Reaction::Like),
+            Outcome::Replay
+        );
+        assert_eq!(
+            apply(at5, 3, Reaction::None, Reaction::Dislike),
+            Outcome::Replay
+        );
     }
 
     #[test]
     fn a_gap_moves_from_the_counted_state_not_the_events_from() {
         // v5 (none -> like) was lost; v6 says like -> dislike, but we counted none.
-        let at4 = Applied { version: 4, state: Reaction::None };
+        let at4 = Applied {
+            version: 4,
+            state: Reaction::None,
+        };
         let outcome = apply(at4, 6, Reaction::Like, Reaction::Dislike);
         assert_eq!(
             outcome,
             Outcome::Apply {
-                next: Applied { version: 6, state: Reaction::Dislike },
-                delta: Delta { likes: 0, dislikes: 1 },
+                next: Applied {
+                    version: 6,
+                    state: Reaction::Dislike
+                },
+                delta: Delta {
+                    likes: 0,
+                    dislikes: 1
+                },
                 gap: true
             }
         );
     }
 
     fn reaction() -> impl Strategy<Value = Reaction> {
-        prop_oneof![Just(Reaction::None), Just(Reaction::Like), Just(Reaction::Dislike)]
+        prop_oneof![
+            Just(Reaction::None),
+            Just(Reaction::Like),
+            Just(Reaction::Dislike)
+        ]
     }
 
     /// A user's true history: versions 1..=n, each `to` the next `from`.

@@ -91,10 +91,22 @@ mod tests {
     fn invalid_events_are_rejected_with_a_reason() {
         let cases: [(&str, &str); 5] = [
             ("not json", "not a transition"),
-            (r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"like","version":0,"occurred_at":"x"}"#, "version"),
-            (r#"{"target_id":"v","target_type":"video","user_id":"u","from":"like","to":"like","version":3,"occurred_at":"x"}"#, "must change"),
-            (r#"{"target_id":"bad id","target_type":"video","user_id":"u","from":"none","to":"like","version":1,"occurred_at":"x"}"#, "target_id"),
-            (r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"love","version":1,"occurred_at":"x"}"#, "unknown variant"),
+            (
+                r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"like","version":0,"occurred_at":"x"}"#,
+                "version",
+            ),
+            (
+                r#"{"target_id":"v","target_type":"video","user_id":"u","from":"like","to":"like","version":3,"occurred_at":"x"}"#,
+                "must change",
+            ),
+            (
+                r#"{"target_id":"bad id","target_type":"video","user_id":"u","from":"none","to":"like","version":1,"occurred_at":"x"}"#,
+                "target_id",
+            ),
+            (
+                r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"love","version":1,"occurred_at":"x"}"#,
+                "unknown variant",
+            ),
         ];
         for (input, reason) in cases {
             match Transition::from_json(input.as_bytes()) {

@@ -17,9 +17,18 @@ pub struct Migration {
 }
 
 pub const MIGRATIONS: &[Migration] = &[
-    Migration { id: "0001_reactions", cql: include_str!("../../migrations/0001_reactions.cql") },
-    Migration { id: "0002_target_stats", cql: include_str!("../../migrations/0002_target_stats.cql") },
-    Migration { id: "0003_reconcile", cql: include_str!("../../migrations/0003_reconcile.cql") },
+    Migration {
+        id: "0001_reactions",
+        cql: include_str!("../../migrations/0001_reactions.cql"),
+    },
+    Migration {
+        id: "0002_target_stats",
+        cql: include_str!("../../migrations/0002_target_stats.cql"),
+    },
+    Migration {
+        id: "0003_reconcile",
+        cql: include_str!("../../migrations/0003_reconcile.cql"),
+    },
 ];
 
 /// Keyspace replication: `simple:N` (SimpleStrategy, for one local node) or
@@ -45,8 +54,14 @@ impl FromStr for Replication {
         }
         let mut dcs = Vec::new();
         for part in s.split(',') {
-            let (dc, n) = part.split_once(':').ok_or_else(|| format!("expected simple:N or DC:N[,DC:N], not {s:?}"))?;
-            if dc.is_empty() || !dc.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            let (dc, n) = part
+                .split_once(':')
+                .ok_or_else(|| format!("expected simple:N or DC:N[,DC:N], not {s:?}"))?;
+            if dc.is_empty()
+                || !dc
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
                 return Err(format!("bad datacenter name {dc:?}"));
             }
             dcs.push((dc.to_owned(), factor(n)?));
@@ -59,7 +74,10 @@ impl fmt::Display for Replication {
     /// The CQL replication map.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Replication::Simple(n) => write!(f, "{{'class': 'SimpleStrategy', 'replication_factor': {n}}}"),
+            Replication::Simple(n) => write!(
+                f,
+                "{{'class': 'SimpleStrategy', 'replication_factor': {n}}}"
+            ),
             Replication::NetworkTopology(dcs) => {
                 write!(f, "{{'class': 'NetworkTopologyStrategy'")?;
                 for (dc, n) in dcs {
@@ -77,8 +95,16 @@ pub fn check_keyspace_name(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
         && name.len() <= 48
         && name.starts_with(|c: char| c.is_ascii_lowercase())
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if ok { Ok(()) } else { Err(format!("keyspace must match [a-z][a-z0-9_]{{0,47}}, not {name:?}")) }
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "keyspace must match [a-z][a-z0-9_]{{0,47}}, not {name:?}"
+        ))
+    }
 }
 
 /// The statements of one migration file: split on `;`, with `--` comments
@@ -109,7 +135,10 @@ pub fn statements(cql: &str) -> Vec<String> {
         }
     }
     out.push(current);
-    out.into_iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect()
+    out.into_iter()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
 }
 
 fn checksum(cql: &str) -> String {
@@ -125,10 +154,21 @@ pub struct Report {
 /// Creates the keyspace if needed and applies pending migrations in order,
 /// waiting for schema agreement after every DDL statement so the next one
 /// (or the first prepared statement) sees it on every node.
-pub async fn run(session: &Session, keyspace: &str, replication: &Replication) -> anyhow::Result<Report> {
+pub async fn run(
+    session: &Session,
+    keyspace: &str,
+    replication: &Replication,
+) -> anyhow::Result<Report> {
     check_keyspace_name(keyspace).map_err(anyhow::Error::msg)?;
-    ddl(session, &format!("CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication}")).await?;
-    session.use_keyspace(keyspace, false).await.context("Failed to use the keyspace")?;
+    ddl(
+        session,
+        &format!("CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication}"),
+    )
+    .await?;
+    session
+        .use_keyspace(keyspace, false)
+        .await
+        .context("Failed to use the keyspace")?;
     ddl(
         session,
         "CREATE TABLE IF NOT EXISTS schema_migrations (id text PRIMARY KEY, checksum text, applied_at timestamp)",
@@ -149,10 +189,15 @@ pub async fn run(session: &Session, keyspace: &str, replication: &Replication) -
     for m in MIGRATIONS {
         match recorded.iter().find(|(id, _)| id == m.id) {
             Some((_, sum)) if *sum == checksum(m.cql) => report.already.push(m.id),
-            Some(_) => bail!("migration {} was changed after it was applied; add a new migration instead", m.id),
+            Some(_) => bail!(
+                "migration {} was changed after it was applied; add a new migration instead",
+                m.id
+            ),
             None => {
                 for stmt in statements(m.cql) {
-                    ddl(session, &stmt).await.with_context(|| format!("migration {} failed", m.id))?;
+                    ddl(session, &stmt)
+                        .await
+                        .with_context(|| format!("migration {} failed", m.id))?;
                 }
                 session
                     .query_unpaged(
@@ -175,8 +220,14 @@ const DDL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 async fn ddl(session: &Session, stmt: &str) -> anyhow::Result<()> {
     let mut statement = scylla::statement::unprepared::Statement::new(stmt);
     statement.set_request_timeout(Some(DDL_TIMEOUT));
-    session.query_unpaged(statement, ()).await.with_context(|| format!("Failed to run {stmt}"))?;
-    session.await_schema_agreement().await.context("Schema agreement was not reached")?;
+    session
+        .query_unpaged(statement, ())
+        .await
+        .with_context(|| format!("Failed to run {stmt}"))?;
+    session
+        .await_schema_agreement()
+        .await
+        .context("Schema agreement was not reached")?;
     Ok(())
 }
 
@@ -189,7 +240,10 @@ mod tests {
         assert_eq!("simple:1".parse(), Ok(Replication::Simple(1)));
         assert_eq!(
             "dc1:3,dc2:2".parse(),
-            Ok(Replication::NetworkTopology(vec![("dc1".into(), 3), ("dc2".into(), 2)]))
+            Ok(Replication::NetworkTopology(vec![
+                ("dc1".into(), 3),
+                ("dc2".into(), 2)
+            ]))
         );
         assert_eq!(
             Replication::NetworkTopology(vec![("dc1".into(), 3)]).to_string(),
@@ -204,7 +258,14 @@ mod tests {
     fn keyspace_names_are_plain_identifiers() {
         assert!(check_keyspace_name("tally").is_ok());
         assert!(check_keyspace_name("t_0a1b").is_ok());
-        for bad in ["", "Tally", "1x", "a-b", "x; DROP KEYSPACE y", &"k".repeat(49)] {
+        for bad in [
+            "",
+            "Tally",
+            "1x",
+            "a-b",
+            "x; DROP KEYSPACE y",
+            &"k".repeat(49),
+        ] {
             assert!(check_keyspace_name(bad).is_err(), "{bad:?}");
         }
     }
@@ -214,9 +275,15 @@ mod tests {
         let cql = "-- a; comment\nCREATE TABLE a (x int) WITH comment = 'one; two -- three';\nCREATE TABLE b (y text) -- trailing; note\n;";
         assert_eq!(
             statements(cql),
-            ["CREATE TABLE a (x int) WITH comment = 'one; two -- three'", "CREATE TABLE b (y text)"]
+            [
+                "CREATE TABLE a (x int) WITH comment = 'one; two -- three'",
+                "CREATE TABLE b (y text)"
+            ]
         );
-        assert_eq!(statements("SELECT 'it''s; fine' FROM t"), ["SELECT 'it''s; fine' FROM t"]);
+        assert_eq!(
+            statements("SELECT 'it''s; fine' FROM t"),
+            ["SELECT 'it''s; fine' FROM t"]
+        );
     }
 
     #[test]
@@ -225,7 +292,11 @@ mod tests {
             let stmts = statements(m.cql);
             assert!(!stmts.is_empty(), "{} has no statements", m.id);
             for s in stmts {
-                assert!(s.starts_with("CREATE ") || s.starts_with("ALTER "), "{}: {s}", m.id);
+                assert!(
+                    s.starts_with("CREATE ") || s.starts_with("ALTER "),
+                    "{}: {s}",
+                    m.id
+                );
             }
         }
     }
@@ -241,6 +312,9 @@ mod schema_file {
     fn the_schema_file_equals_the_migrations_in_order() {
         let schema = statements(include_str!("../../schema/tally.cql"));
         let migrations: Vec<String> = MIGRATIONS.iter().flat_map(|m| statements(m.cql)).collect();
-        assert_eq!(schema, migrations, "regenerate schema/tally.cql from migrations/");
+        assert_eq!(
+            schema, migrations,
+            "regenerate schema/tally.cql from migrations/"
+        );
     }
 }

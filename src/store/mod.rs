@@ -21,7 +21,12 @@ use scylla::statement::{Consistency, SerialConsistency};
 #[derive(clap::Args, Debug, Clone)]
 pub struct CassandraConfig {
     /// Cassandra contact points, host:port, comma separated.
-    #[arg(long = "cassandra-nodes", env = "TALLY_CASSANDRA_NODES", value_delimiter = ',', default_value = "127.0.0.1:9042")]
+    #[arg(
+        long = "cassandra-nodes",
+        env = "TALLY_CASSANDRA_NODES",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:9042"
+    )]
     pub nodes: Vec<String>,
 
     /// Keyspace holding tally's tables.
@@ -33,7 +38,11 @@ pub struct CassandraConfig {
     pub local_dc: Option<String>,
 
     /// Client-side timeout for one CQL request, in milliseconds.
-    #[arg(long = "cassandra-timeout-ms", env = "TALLY_CASSANDRA_TIMEOUT_MS", default_value_t = 5000)]
+    #[arg(
+        long = "cassandra-timeout-ms",
+        env = "TALLY_CASSANDRA_TIMEOUT_MS",
+        default_value_t = 5000
+    )]
     pub request_timeout_ms: u64,
 }
 
@@ -57,7 +66,9 @@ impl CassandraConfig {
 pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
     let mut policy = DefaultPolicy::builder().token_aware(true);
     if let Some(dc) = &config.local_dc {
-        policy = policy.prefer_datacenter(dc.clone()).permit_dc_failover(false);
+        policy = policy
+            .prefer_datacenter(dc.clone())
+            .permit_dc_failover(false);
     }
     let profile = ExecutionProfile::builder()
         .consistency(Consistency::LocalQuorum)
@@ -70,7 +81,12 @@ pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
         .default_execution_profile_handle(profile.into_handle())
         .build()
         .await
-        .with_context(|| format!("Failed to connect to Cassandra at {}", config.nodes.join(",")))
+        .with_context(|| {
+            format!(
+                "Failed to connect to Cassandra at {}",
+                config.nodes.join(",")
+            )
+        })
 }
 
 /// Opens a session on the configured keyspace.
@@ -79,7 +95,12 @@ pub async fn connect_keyspace(config: &CassandraConfig) -> anyhow::Result<Sessio
     session
         .use_keyspace(&config.keyspace, false)
         .await
-        .with_context(|| format!("Keyspace {} is not usable; has `tally migrate` run?", config.keyspace))?;
+        .with_context(|| {
+            format!(
+                "Keyspace {} is not usable; has `tally migrate` run?",
+                config.keyspace
+            )
+        })?;
     Ok(session)
 }
 
@@ -98,8 +119,15 @@ where
     T: for<'f> scylla::deserialize::row::DeserializeRow<'f, 'f>,
     V: scylla::serialize::row::SerializeRow,
 {
-    let result = session.execute_unpaged(stmt, values).await.map_err(unavailable)?;
-    result.into_rows_result().map_err(unavailable)?.maybe_first_row::<T>().map_err(unavailable)
+    let result = session
+        .execute_unpaged(stmt, values)
+        .await
+        .map_err(unavailable)?;
+    result
+        .into_rows_result()
+        .map_err(unavailable)?
+        .maybe_first_row::<T>()
+        .map_err(unavailable)
 }
 
 /// Runs a prepared statement and reads every row, page by page (never one
@@ -130,7 +158,9 @@ where
 /// current values of the conditioned rows (a varying set of columns) when it
 /// did not, so the row is read untyped and only its first column is used.
 pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyhow::Result<bool> {
-    let rows = result.into_rows_result().context("A conditional statement returned no rows")?;
+    let rows = result
+        .into_rows_result()
+        .context("A conditional statement returned no rows")?;
     match rows.column_specs().get_by_index(0) {
         Some(spec) if spec.name() == "[applied]" => {}
         _ => anyhow::bail!("A conditional statement returned no [applied] column"),
@@ -146,7 +176,10 @@ pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyho
 impl Store {
     /// A cheap round trip to Cassandra, for readiness.
     pub async fn ping(&self) -> anyhow::Result<()> {
-        self.session.execute_unpaged(&self.ping, ()).await.context("Cassandra did not answer")?;
+        self.session
+            .execute_unpaged(&self.ping, ())
+            .await
+            .context("Cassandra did not answer")?;
         Ok(())
     }
 }
@@ -170,7 +203,10 @@ impl Store {
             reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
             stats: stats::Stats::prepare(session.clone()).await?,
             targets: targets::Targets::prepare(session.clone()).await?,
-            ping: session.prepare("SELECT release_version FROM system.local").await.context("prepare ping")?,
+            ping: session
+                .prepare("SELECT release_version FROM system.local")
+                .await
+                .context("prepare ping")?,
             session,
         })
     }

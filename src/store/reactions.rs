@@ -92,10 +92,16 @@ impl Reactions {
     pub async fn prepare(session: Arc<Session>, key_ttl_secs: i32) -> anyhow::Result<Reactions> {
         const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, response_status, response_body \
              FROM reactions WHERE user_id = ? AND target_id IN (?, ?)";
-        let snapshot = session.prepare(SNAPSHOT).await.context("prepare snapshot")?;
+        let snapshot = session
+            .prepare(SNAPSHOT)
+            .await
+            .context("prepare snapshot")?;
         // The same read at SERIAL: it sees (and completes) any in-flight
         // Paxos round, which is how an unknown outcome becomes a known one.
-        let mut snapshot_serial = session.prepare(SNAPSHOT).await.context("prepare serial snapshot")?;
+        let mut snapshot_serial = session
+            .prepare(SNAPSHOT)
+            .await
+            .context("prepare serial snapshot")?;
         snapshot_serial.set_consistency(Consistency::LocalSerial);
 
         let states = session
@@ -163,19 +169,45 @@ impl Reactions {
         key: &IdempotencyKey,
         serial: bool,
     ) -> Result<Snapshot, Unavailable> {
-        let stmt = if serial { &self.snapshot_serial } else { &self.snapshot };
+        let stmt = if serial {
+            &self.snapshot_serial
+        } else {
+            &self.snapshot
+        };
         let key_row = key_row(key);
-        type Row = (String, Option<String>, Option<i64>, Option<String>, Option<Uuid>, Option<i32>, Option<String>);
-        let rows: Vec<Row> = super::all_rows(&self.session, stmt, (user.as_str(), target.as_str(), key_row.as_str())).await?;
+        type Row = (
+            String,
+            Option<String>,
+            Option<i64>,
+            Option<String>,
+            Option<Uuid>,
+            Option<i32>,
+            Option<String>,
+        );
+        let rows: Vec<Row> = super::all_rows(
+            &self.session,
+            stmt,
+            (user.as_str(), target.as_str(), key_row.as_str()),
+        )
+        .await?;
         let mut snap = Snapshot::default();
         for (clustering, state, version, hash, owner, status, body) in rows {
             if clustering == key_row {
-                if let (Some(request_hash), Some(owner), Some(status), Some(body)) = (hash, owner, status, body) {
+                if let (Some(request_hash), Some(owner), Some(status), Some(body)) =
+                    (hash, owner, status, body)
+                {
                     let status = u16::try_from(status).unwrap_or(200);
-                    snap.record = Some(KeyRecord { request_hash, owner, status, body });
+                    snap.record = Some(KeyRecord {
+                        request_hash,
+                        owner,
+                        status,
+                        body,
+                    });
                 }
             } else if let (Some(state), Some(version)) = (state, version) {
-                let state = state.parse().map_err(|e: crate::domain::reaction::UnknownReaction| Unavailable(e.into()))?;
+                let state = state
+                    .parse()
+                    .map_err(|e: crate::domain::reaction::UnknownReaction| Unavailable(e.into()))?;
                 snap.current = Some(Current { state, version });
             }
         }
@@ -188,14 +220,38 @@ impl Reactions {
         let (user, target) = (change.user.as_str(), change.target.as_str());
         let key_row = key_row(change.key);
         let r = change.record;
-        let record = (user, key_row.as_str(), r.request_hash.as_str(), r.owner, i32::from(r.status), r.body.as_str(), self.key_ttl_secs);
+        let record = (
+            user,
+            key_row.as_str(),
+            r.request_hash.as_str(),
+            r.owner,
+            i32::from(r.status),
+            r.body.as_str(),
+            self.key_ttl_secs,
+        );
         let result = match change.expected {
             None => {
-                let first = (user, target, change.target_type.as_str(), change.to.as_str(), now);
-                self.session.batch(&self.first_change, (first, record)).await
+                let first = (
+                    user,
+                    target,
+                    change.target_type.as_str(),
+                    change.to.as_str(),
+                    now,
+                );
+                self.session
+                    .batch(&self.first_change, (first, record))
+                    .await
             }
             Some(version) => {
-                let next = (change.target_type.as_str(), change.to.as_str(), version + 1, now, user, target, version);
+                let next = (
+                    change.target_type.as_str(),
+                    change.to.as_str(),
+                    version + 1,
+                    now,
+                    user,
+                    target,
+                    version,
+                );
                 self.session.batch(&self.next_change, (next, record)).await
             }
         };
@@ -215,17 +271,29 @@ impl Reactions {
             record.body.as_str(),
             self.key_ttl_secs,
         );
-        classify(self.session.execute_unpaged(&self.record_only, values).await)
+        classify(
+            self.session
+                .execute_unpaged(&self.record_only, values)
+                .await,
+        )
     }
 
     /// The caller's state for each target (absent targets are `None`): one
     /// single-partition query.
-    pub async fn states(&self, user: &UserId, targets: &[TargetId]) -> Result<HashMap<TargetId, Reaction>, Unavailable> {
+    pub async fn states(
+        &self,
+        user: &UserId,
+        targets: &[TargetId],
+    ) -> Result<HashMap<TargetId, Reaction>, Unavailable> {
         let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
-        let rows: Vec<(String, Option<String>)> = super::all_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
+        let rows: Vec<(String, Option<String>)> =
+            super::all_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
         let mut out = HashMap::new();
         for (target, state) in rows {
-            if let (Ok(target), Some(Ok(state))) = (TargetId::parse(&target), state.map(|s| s.parse::<Reaction>())) {
+            if let (Ok(target), Some(Ok(state))) = (
+                TargetId::parse(&target),
+                state.map(|s| s.parse::<Reaction>()),
+            ) {
                 out.insert(target, state);
             }
         }
@@ -236,11 +304,17 @@ impl Reactions {
 impl Reactions {
     /// Every user's (state, version) for one target, paged through the
     /// SAI index: the truth reconcile counts from.
-    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Current)>, Unavailable> {
-        let rows: Vec<(String, Option<String>, Option<i64>)> = super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
+    pub async fn by_target(
+        &self,
+        target: &TargetId,
+    ) -> Result<Vec<(UserId, Current)>, Unavailable> {
+        let rows: Vec<(String, Option<String>, Option<i64>)> =
+            super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
         let mut out = Vec::with_capacity(rows.len());
         for (user, state, version) in rows {
-            let (Ok(user), Some(Ok(state)), Some(version)) = (UserId::parse(&user), state.map(|s| s.parse()), version) else {
+            let (Ok(user), Some(Ok(state)), Some(version)) =
+                (UserId::parse(&user), state.map(|s| s.parse()), version)
+            else {
                 continue;
             };
             out.push((user, Current { state, version }));
@@ -260,7 +334,9 @@ fn now_millis() -> i64 {
 /// before it ran, or unknown. Anything not known to have failed before
 /// reaching Paxos is unknown: guessing "not applied" could lose a vote, and
 /// guessing "applied" could publish a transition that never happened.
-pub(crate) fn classify(result: Result<scylla::response::query_result::QueryResult, ExecutionError>) -> Cas {
+pub(crate) fn classify(
+    result: Result<scylla::response::query_result::QueryResult, ExecutionError>,
+) -> Cas {
     match result {
         Ok(r) => match super::was_applied(r) {
             Ok(true) => Cas::Applied,
@@ -269,19 +345,35 @@ pub(crate) fn classify(result: Result<scylla::response::query_result::QueryResul
         },
         Err(e) => {
             let certainly_not_run = match &e {
-                ExecutionError::EmptyPlan | ExecutionError::ConnectionPoolError(_) | ExecutionError::BadQuery(_) => true,
+                ExecutionError::EmptyPlan
+                | ExecutionError::ConnectionPoolError(_)
+                | ExecutionError::BadQuery(_) => true,
                 ExecutionError::PrepareError(_) => true,
                 ExecutionError::LastAttemptError(RequestAttemptError::DbError(db, _)) => matches!(
                     db,
-                    DbError::Unavailable { .. } | DbError::Overloaded | DbError::IsBootstrapping | DbError::Invalid
-                        | DbError::SyntaxError | DbError::Unprepared { .. }
+                    DbError::Unavailable { .. }
+                        | DbError::Overloaded
+                        | DbError::IsBootstrapping
+                        | DbError::Invalid
+                        | DbError::SyntaxError
+                        | DbError::Unprepared { .. }
                 ),
-                ExecutionError::LastAttemptError(RequestAttemptError::SerializationError(_)) => true,
-                ExecutionError::LastAttemptError(RequestAttemptError::CqlRequestSerialization(_)) => true,
-                ExecutionError::LastAttemptError(RequestAttemptError::UnableToAllocStreamId) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::SerializationError(_)) => {
+                    true
+                }
+                ExecutionError::LastAttemptError(RequestAttemptError::CqlRequestSerialization(
+                    _,
+                )) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::UnableToAllocStreamId) => {
+                    true
+                }
                 _ => false,
             };
-            if certainly_not_run { Cas::Failed(e.into()) } else { Cas::Unknown(e.into()) }
+            if certainly_not_run {
+                Cas::Failed(e.into())
+            } else {
+                Cas::Unknown(e.into())
+            }
         }
     }
 }

@@ -1,8 +1,8 @@
 //! The `targets` registry walked by the reconcile sweep, and the sweep's
 //! checkpoints.
 
-use std::sync::{Arc, Mutex};
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use scylla::client::session::Session;
@@ -81,16 +81,24 @@ impl Targets {
     }
 
     /// The next `limit` targets after `after` in token order, with their tokens.
-    pub async fn page(&self, after: Option<i64>, limit: i32) -> Result<Vec<(TargetId, i64)>, Unavailable> {
+    pub async fn page(
+        &self,
+        after: Option<i64>,
+        limit: i32,
+    ) -> Result<Vec<(TargetId, i64)>, Unavailable> {
         let rows: Vec<(String, i64)> = match after {
             None => super::all_rows(&self.session, &self.first_page, (limit,)).await?,
             Some(t) => super::all_rows(&self.session, &self.next_page, (t, limit)).await?,
         };
-        Ok(rows.into_iter().filter_map(|(t, tok)| TargetId::parse(&t).ok().map(|t| (t, tok))).collect())
+        Ok(rows
+            .into_iter()
+            .filter_map(|(t, tok)| TargetId::parse(&t).ok().map(|t| (t, tok)))
+            .collect())
     }
 
     pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, Unavailable> {
-        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> = super::first_row(&self.session, &self.read_checkpoint, (name,)).await?;
+        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> =
+            super::first_row(&self.session, &self.read_checkpoint, (name,)).await?;
         Ok(row.map(|(last_token, checked, drifted)| Checkpoint {
             last_token,
             checked: checked.unwrap_or(0),
@@ -100,14 +108,20 @@ impl Targets {
 
     pub async fn save_checkpoint(&self, name: &str, c: &Checkpoint) -> Result<(), Unavailable> {
         self.session
-            .execute_unpaged(&self.write_checkpoint, (name, c.last_token, c.checked, c.drifted))
+            .execute_unpaged(
+                &self.write_checkpoint,
+                (name, c.last_token, c.checked, c.drifted),
+            )
             .await
             .map_err(super::unavailable)?;
         Ok(())
     }
 
     pub async fn clear_checkpoint(&self, name: &str) -> Result<(), Unavailable> {
-        self.session.execute_unpaged(&self.delete_checkpoint, (name,)).await.map_err(super::unavailable)?;
+        self.session
+            .execute_unpaged(&self.delete_checkpoint, (name,))
+            .await
+            .map_err(super::unavailable)?;
         Ok(())
     }
 }

@@ -11,16 +11,23 @@ use rdkafka::message::Headers;
 use crate::support::{Lcg, TestEnv, eventually};
 
 async fn processed_at_least(c: &crate::support::RunningConsumer, n: u64) {
-    eventually(&format!("the consumer to process {n} messages"), Duration::from_secs(60), || async {
-        (c.processed() >= n).then_some(())
-    })
+    eventually(
+        &format!("the consumer to process {n} messages"),
+        Duration::from_secs(60),
+        || async { (c.processed() >= n).then_some(()) },
+    )
     .await;
 }
 
 #[tokio::test]
 async fn the_same_events_delivered_twice_leave_the_totals_unchanged() {
     let env = TestEnv::new().await;
-    let events = [("u1", "none", "like", 1), ("u2", "none", "dislike", 1), ("u1", "like", "none", 2), ("u3", "none", "like", 1)];
+    let events = [
+        ("u1", "none", "like", 1),
+        ("u2", "none", "dislike", 1),
+        ("u1", "like", "none", 2),
+        ("u3", "none", "like", 1),
+    ];
     for (u, f, t, v) in events {
         env.publish_transition(u, "video_dup", f, t, v).await;
     }
@@ -43,17 +50,27 @@ async fn the_same_events_delivered_twice_leave_the_totals_unchanged() {
 #[tokio::test]
 async fn version_6_before_5_ends_at_the_users_latest_state() {
     let env = TestEnv::new().await;
-    for (f, t, v) in [("none", "like", 1), ("like", "none", 2), ("none", "like", 3), ("like", "none", 4)] {
+    for (f, t, v) in [
+        ("none", "like", 1),
+        ("like", "none", 2),
+        ("none", "like", 3),
+        ("like", "none", 4),
+    ] {
         env.publish_transition("ursula", "video_gap", f, t, v).await;
     }
     // v5 (none -> like) is lost; v6 says like -> dislike.
-    env.publish_transition("ursula", "video_gap", "like", "dislike", 6).await;
+    env.publish_transition("ursula", "video_gap", "like", "dislike", 6)
+        .await;
     let consumer = env.start_consumer();
     processed_at_least(&consumer, 5).await;
     // A late v5 must not move anything.
-    env.publish_transition("ursula", "video_gap", "none", "like", 5).await;
+    env.publish_transition("ursula", "video_gap", "none", "like", 5)
+        .await;
     processed_at_least(&consumer, 6).await;
-    let gaps = consumer.progress.gaps.load(std::sync::atomic::Ordering::Relaxed);
+    let gaps = consumer
+        .progress
+        .gaps
+        .load(std::sync::atomic::Ordering::Relaxed);
     consumer.stop().await;
 
     let stats = env.stats().await;
@@ -67,15 +84,24 @@ async fn version_6_before_5_ends_at_the_users_latest_state() {
 async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
     let env = TestEnv::new().await;
     // Same key, so the same partition: the valid event is behind the poison.
-    env.publish_raw("video_p", b"{definitely not a transition").await;
+    env.publish_raw("video_p", b"{definitely not a transition")
+        .await;
     env.publish_raw("video_p", br#"{"target_id":"video_p","target_type":"video","user_id":"u","from":"like","to":"like","version":2,"occurred_at":"x"}"#).await;
-    env.publish_transition("victor", "video_p", "none", "like", 1).await;
+    env.publish_transition("victor", "video_p", "none", "like", 1)
+        .await;
     let consumer = env.start_consumer();
     processed_at_least(&consumer, 3).await;
-    let dead = consumer.progress.dead_lettered.load(std::sync::atomic::Ordering::Relaxed);
+    let dead = consumer
+        .progress
+        .dead_lettered
+        .load(std::sync::atomic::Ordering::Relaxed);
     consumer.stop().await;
 
-    assert_eq!(env.stats().await["video_p"].0, 1, "the valid event behind the poison was applied");
+    assert_eq!(
+        env.stats().await["video_p"].0,
+        1,
+        "the valid event behind the poison was applied"
+    );
     assert_eq!(dead, 2);
     let dlq: StreamConsumer = env
         .kafka
@@ -84,7 +110,8 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
         .set("auto.offset.reset", "earliest")
         .create()
         .unwrap_or_else(|e| panic!("{e}"));
-    dlq.subscribe(&[&env.kafka.dead_letter_topic]).unwrap_or_else(|e| panic!("{e}"));
+    dlq.subscribe(&[&env.kafka.dead_letter_topic])
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut reasons = Vec::new();
     let mut stream = dlq.stream();
     while reasons.len() < 2 {
@@ -95,7 +122,11 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
             .unwrap_or_else(|e| panic!("{e}"));
         let reason = m
             .headers()
-            .and_then(|h| h.iter().find(|h| h.key == "tally-dlq-reason").and_then(|h| h.value))
+            .and_then(|h| {
+                h.iter()
+                    .find(|h| h.key == "tally-dlq-reason")
+                    .and_then(|h| h.value)
+            })
             .map(|v| String::from_utf8_lossy(v).into_owned())
             .unwrap_or_default();
         assert_eq!(m.key(), Some(&b"video_p"[..]));
@@ -116,7 +147,14 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
     let spawn = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
             .arg("consumer")
-            .args(["--batch-max", "25", "--batch-wait", "5ms", "--write-parallelism", "2"])
+            .args([
+                "--batch-max",
+                "25",
+                "--batch-wait",
+                "5ms",
+                "--write-parallelism",
+                "2",
+            ])
             .env("TALLY_KEYSPACE", &env.cassandra.keyspace)
             .env("TALLY_TOPIC", &env.kafka.topic)
             .env("TALLY_DEAD_LETTER_TOPIC", &env.kafka.dead_letter_topic)
@@ -130,13 +168,19 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
     };
     let mut first = spawn();
     // Kill it as soon as it has written something, well before it is done.
-    eventually("the first consumer to write", Duration::from_secs(60), || async {
-        (!env.stats().await.is_empty()).then_some(())
-    })
+    eventually(
+        "the first consumer to write",
+        Duration::from_secs(60),
+        || async { (!env.stats().await.is_empty()).then_some(()) },
+    )
     .await;
     first.kill().unwrap_or_else(|e| panic!("{e}")); // SIGKILL
     let _ = first.wait();
-    assert_ne!(env.stats().await, env.recount().await, "the kill came too late to interrupt anything");
+    assert_ne!(
+        env.stats().await,
+        env.recount().await,
+        "the kill came too late to interrupt anything"
+    );
 
     let mut second = spawn();
     env.wait_until_no_drift(Duration::from_secs(90)).await;

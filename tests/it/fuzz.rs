@@ -14,7 +14,9 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
     // tested elsewhere and would turn valid requests into 429s here.
     config.user_rate = 1_000_000.0;
     config.user_burst = 1_000_000;
-    let app = tally::api::Application::build(config).await.unwrap_or_else(|e| panic!("{e:#}"));
+    let app = tally::api::Application::build(config)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let admin = tally::auth::mint(
@@ -30,7 +32,18 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
     let report_path = report.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("python3")
-            .args(["-m", "schemathesis.cli", "run", &format!("{base}/openapi.json"), "--checks", "all", "--max-examples", "60", "--seed", "20261129"])
+            .args([
+                "-m",
+                "schemathesis.cli",
+                "run",
+                &format!("{base}/openapi.json"),
+                "--checks",
+                "all",
+                "--max-examples",
+                "60",
+                "--seed",
+                "20261129",
+            ])
             // A key reused with another body is a 422 by contract, a rule about
             // two requests that no schema can express; every other check runs.
             .args(["--exclude-checks", "positive_data_acceptance"])
@@ -47,6 +60,13 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
     let junit = std::fs::read_to_string(&report).unwrap_or_default();
     let _ = std::fs::remove_file(&report);
     eprintln!("{stdout}");
-    assert!(out.status.success(), "schemathesis found failures:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(junit.matches("<testcase").count() >= 3, "every operation was exercised:\n{junit}");
+    assert!(
+        out.status.success(),
+        "schemathesis found failures:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        junit.matches("<testcase").count() >= 3,
+        "every operation was exercised:\n{junit}"
+    );
 }

@@ -10,7 +10,9 @@ use crate::support::{Lcg, TestEnv, eventually, new_key};
 fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
     let mut found = None;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
         let metric = series.split('{').next().unwrap_or("");
         if metric == name && labels.iter().all(|l| series.contains(l)) {
             *found.get_or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
@@ -20,7 +22,14 @@ fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
 }
 
 async fn scrape(client: &reqwest::Client, url: &str) -> String {
-    client.get(url).send().await.unwrap_or_else(|e| panic!("{e}")).text().await.unwrap_or_else(|e| panic!("{e}"))
+    client
+        .get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[tokio::test]
@@ -32,23 +41,42 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
     let consumer = env.start_consumer();
     assert_eq!(app.random_votes(&mut Lcg(21), 30, 10, 3, 8).await, 30);
     for _ in 0..5 {
-        assert_eq!(app.summary("reader", "t0,t1,t2,never_voted").await.status, 200);
+        assert_eq!(
+            app.summary("reader", "t0,t1,t2,never_voted").await.status,
+            200
+        );
     }
     env.wait_until_no_drift(Duration::from_secs(60)).await;
-    env.cql("UPDATE target_stats SET likes = 55 WHERE target_id = 't0'").await;
-    env.reconciler().await.target(&tally::domain::TargetId::parse("t0").unwrap_or_else(|e| panic!("{e}")), false).await.unwrap_or_else(|e| panic!("{e}"));
-    let consumer_port = consumer.progress.ops_port.load(std::sync::atomic::Ordering::Relaxed);
+    env.cql("UPDATE target_stats SET likes = 55 WHERE target_id = 't0'")
+        .await;
+    env.reconciler()
+        .await
+        .target(
+            &tally::domain::TargetId::parse("t0").unwrap_or_else(|e| panic!("{e}")),
+            false,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer_port = consumer
+        .progress
+        .ops_port
+        .load(std::sync::atomic::Ordering::Relaxed);
     let consumer_url = format!("http://127.0.0.1:{consumer_port}/metrics");
-    let consumer_metrics = eventually("the consumer's own lag gauge", Duration::from_secs(30), || async {
-        let text = scrape(&app.client, &consumer_url).await;
-        sample_sum(&text, "tally_consumer_lag_messages", &[]).map(|_| text)
-    })
+    let consumer_metrics = eventually(
+        "the consumer's own lag gauge",
+        Duration::from_secs(30),
+        || async {
+            let text = scrape(&app.client, &consumer_url).await;
+            sample_sum(&text, "tally_consumer_lag_messages", &[]).map(|_| text)
+        },
+    )
     .await;
     consumer.stop().await;
 
     let text = scrape(&app.client, &metrics_url).await;
     let at_least = |name: &str, labels: &[&str], min: f64| {
-        let v = sample_sum(&text, name, labels).unwrap_or_else(|| panic!("{name}{labels:?} missing from /metrics"));
+        let v = sample_sum(&text, name, labels)
+            .unwrap_or_else(|| panic!("{name}{labels:?} missing from /metrics"));
         assert!(v >= min, "{name}{labels:?} = {v}, expected at least {min}");
     };
     at_least("tally_vote_write_seconds_count", &["outcome=\"ok\""], 30.0);
@@ -56,16 +84,26 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
     at_least("tally_vote_read_seconds_count", &["outcome=\"ok\""], 5.0);
     at_least("tally_cache_lookups_total", &["result=\"hit\""], 1.0);
     at_least("tally_cache_lookups_total", &["result=\"miss\""], 1.0);
-    at_least("tally_cas_total", &["statement=\"vote\"", "outcome=\"applied\""], 1.0);
+    at_least(
+        "tally_cas_total",
+        &["statement=\"vote\"", "outcome=\"applied\""],
+        1.0,
+    );
     at_least("tally_reconcile_drift_found_total", &[], 1.0);
     at_least("tally_reconcile_drift_repaired_total", &[], 1.0);
     at_least("tally_http_responses_total", &["status=\"200\""], 35.0);
     for (name, labels) in [
         ("tally_consumer_events_total", &["result=\"applied\""][..]),
-        ("tally_cas_total", &["statement=\"stats\"", "outcome=\"applied\""][..]),
+        (
+            "tally_cas_total",
+            &["statement=\"stats\"", "outcome=\"applied\""][..],
+        ),
         ("tally_consumer_lag_messages", &[][..]),
     ] {
-        assert!(sample_sum(&consumer_metrics, name, labels).is_some_and(|v| v >= 0.0), "consumer /metrics lacks {name}{labels:?}");
+        assert!(
+            sample_sum(&consumer_metrics, name, labels).is_some_and(|v| v >= 0.0),
+            "consumer /metrics lacks {name}{labels:?}"
+        );
     }
 
     // Signal 3, from outside: votes with no consumer running make lag rise.
@@ -73,18 +111,26 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
     assert_eq!(app.random_votes(&mut Lcg(22), 12, 10, 3, 4).await, 12);
     let unconsumed = (env.published() - before) as f64;
     assert!(unconsumed > 0.0, "some of the votes changed state");
-    eventually("the group lag to show every unconsumed transition", Duration::from_secs(30), || async {
-        let text = scrape(&app.client, &metrics_url).await;
-        let messages = sample_sum(&text, "tally_consumer_group_lag_messages", &[])?;
-        let seconds = sample_sum(&text, "tally_consumer_group_lag_seconds", &[])?;
-        (messages == unconsumed && seconds > 0.0).then_some(())
-    })
+    eventually(
+        "the group lag to show every unconsumed transition",
+        Duration::from_secs(30),
+        || async {
+            let text = scrape(&app.client, &metrics_url).await;
+            let messages = sample_sum(&text, "tally_consumer_group_lag_messages", &[])?;
+            let seconds = sample_sum(&text, "tally_consumer_group_lag_seconds", &[])?;
+            (messages == unconsumed && seconds > 0.0).then_some(())
+        },
+    )
     .await;
     let consumer = env.start_consumer();
-    eventually("the group lag to return to zero", Duration::from_secs(60), || async {
-        let text = scrape(&app.client, &metrics_url).await;
-        (sample_sum(&text, "tally_consumer_group_lag_messages", &[]) == Some(0.0)).then_some(())
-    })
+    eventually(
+        "the group lag to return to zero",
+        Duration::from_secs(60),
+        || async {
+            let text = scrape(&app.client, &metrics_url).await;
+            (sample_sum(&text, "tally_consumer_group_lag_messages", &[]) == Some(0.0)).then_some(())
+        },
+    )
     .await;
     consumer.stop().await;
 }
@@ -98,7 +144,16 @@ struct PrivateRedis {
 impl PrivateRedis {
     fn start(port: u16) -> PrivateRedis {
         let child = std::process::Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--save", "", "--appendonly", "no"])
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("redis-server: {e}"));
@@ -120,11 +175,16 @@ impl Drop for PrivateRedis {
 #[tokio::test]
 async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
     let env = TestEnv::new().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or_else(|e| panic!("{e}"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"));
     let redis = PrivateRedis::start(port);
     let mut config = env.api_config();
     config.redis.url = format!("redis://127.0.0.1:{}", redis.port);
-    let app = tally::api::Application::build(config).await.unwrap_or_else(|e| panic!("{e:#}"));
+    let app = tally::api::Application::build(config)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let client = reqwest::Client::new();
@@ -134,8 +194,15 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
         Some((status, res.json::<serde_json::Value>().await.ok()?))
     };
 
-    eventually("ready with Redis up", Duration::from_secs(30), || readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))).await;
-    let health = client.get(format!("{base}/healthz")).send().await.unwrap_or_else(|e| panic!("{e}"));
+    eventually("ready with Redis up", Duration::from_secs(30), || {
+        readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
+    })
+    .await;
+    let health = client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(health.status().as_u16(), 200);
 
     redis.stop();
@@ -145,9 +212,17 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
     .await;
     assert_eq!(body["failing"], serde_json::json!(["redis"]), "{body}");
     // A vote still commits without the cache: Redis is not the truth.
-    let vote = crate::support::TestApp { address: base.clone(), client: client.clone() }.vote("rita", new_key(), "video_r", "like").await;
+    let vote = crate::support::TestApp {
+        address: base.clone(),
+        client: client.clone(),
+    }
+    .vote("rita", new_key(), "video_r", "like")
+    .await;
     assert_eq!(vote.status, 200, "{vote:?}");
 
     let _back = PrivateRedis::start(port);
-    eventually("ready again", Duration::from_secs(30), || readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))).await;
+    eventually("ready again", Duration::from_secs(30), || {
+        readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
+    })
+    .await;
 }

@@ -12,8 +12,13 @@ fn target(s: &str) -> TargetId {
 }
 
 fn json_of(out: &std::process::Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: stdout {} stderr {}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: stdout {} stderr {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
 }
 
 #[tokio::test]
@@ -23,16 +28,28 @@ async fn overwritten_totals_are_restored_by_reconcile_target() {
     env.votes_counted(&app, &mut Lcg(1), 120, 30, 3).await;
     let truth = env.recount().await;
 
-    env.cql("UPDATE target_stats SET likes = 999, dislikes = 7 WHERE target_id = 't1'").await;
-    let out = env.tally().args(["reconcile", "--target", "t1", "--target", "t2", "--json"]).output().unwrap_or_else(|e| panic!("{e}"));
+    env.cql("UPDATE target_stats SET likes = 999, dislikes = 7 WHERE target_id = 't1'")
+        .await;
+    let out = env
+        .tally()
+        .args(["reconcile", "--target", "t1", "--target", "t2", "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
 
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let summary = json_of(&out);
     assert_eq!(summary["targets_checked"], 2);
     assert_eq!(summary["targets_drifted"], 1);
     assert_eq!(summary["corrections"][0]["target_id"], "t1");
     assert_eq!(summary["corrections"][0]["totals_before"]["likes"], 999);
-    assert_eq!(summary["corrections"][0]["totals_after"]["likes"], truth["t1"].0);
+    assert_eq!(
+        summary["corrections"][0]["totals_after"]["likes"],
+        truth["t1"].0
+    );
     assert_eq!(env.stats().await, truth);
 }
 
@@ -40,20 +57,33 @@ async fn overwritten_totals_are_restored_by_reconcile_target() {
 async fn a_deleted_user_row_is_recounted_not_off_by_one() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    app.vote("alice", crate::support::new_key(), "video_x", "like").await;
-    app.vote("bob", crate::support::new_key(), "video_x", "like").await;
-    app.vote("carol", crate::support::new_key(), "video_x", "dislike").await;
+    app.vote("alice", crate::support::new_key(), "video_x", "like")
+        .await;
+    app.vote("bob", crate::support::new_key(), "video_x", "like")
+        .await;
+    app.vote("carol", crate::support::new_key(), "video_x", "dislike")
+        .await;
     let consumer = env.start_consumer();
     env.wait_until_no_drift(Duration::from_secs(60)).await;
     consumer.stop().await;
 
     // The totals still include alice, but her applied row is gone.
-    env.cql("DELETE FROM target_stats WHERE target_id = 'video_x' AND user_id = 'alice'").await;
-    let report = env.reconciler().await.target(&target("video_x"), false).await.unwrap_or_else(|e| panic!("{e}"));
+    env.cql("DELETE FROM target_stats WHERE target_id = 'video_x' AND user_id = 'alice'")
+        .await;
+    let report = env
+        .reconciler()
+        .await
+        .target(&target("video_x"), false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 
     assert!(report.drifted && report.repaired, "{report:?}");
     assert_eq!(report.users_behind, 1);
-    assert_eq!((report.totals_after.likes, report.totals_after.dislikes), (2, 1), "not 3 likes");
+    assert_eq!(
+        (report.totals_after.likes, report.totals_after.dislikes),
+        (2, 1),
+        "not 3 likes"
+    );
     assert_eq!(env.stats().await, env.recount().await);
 }
 
@@ -61,7 +91,8 @@ async fn a_deleted_user_row_is_recounted_not_off_by_one() {
 async fn a_transition_committed_but_never_published_is_counted() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    app.vote("alice", crate::support::new_key(), "video_y", "like").await;
+    app.vote("alice", crate::support::new_key(), "video_y", "like")
+        .await;
     let consumer = env.start_consumer();
     env.wait_until_no_drift(Duration::from_secs(60)).await;
     consumer.stop().await;
@@ -71,17 +102,35 @@ async fn a_transition_committed_but_never_published_is_counted() {
     env.cql("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES ('dan', 'video_y', 'video', 'like', 1)").await;
     assert_ne!(env.stats().await, env.recount().await);
 
-    let report = env.reconciler().await.target(&target("video_y"), false).await.unwrap_or_else(|e| panic!("{e}"));
+    let report = env
+        .reconciler()
+        .await
+        .target(&target("video_y"), false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 
     assert_eq!(report.users_behind, 2);
-    assert_eq!((report.totals_after.likes, report.totals_after.dislikes), (1, 1));
+    assert_eq!(
+        (report.totals_after.likes, report.totals_after.dislikes),
+        (1, 1)
+    );
     assert_eq!(env.stats().await, env.recount().await);
     // The event, published late after all, is now a replay.
-    env.publish_transition("dan", "video_y", "none", "like", 1).await;
+    env.publish_transition("dan", "video_y", "none", "like", 1)
+        .await;
     let consumer = env.start_consumer();
-    eventually("the late event to be processed", Duration::from_secs(60), || async { (consumer.processed() >= 1).then_some(()) }).await;
+    eventually(
+        "the late event to be processed",
+        Duration::from_secs(60),
+        || async { (consumer.processed() >= 1).then_some(()) },
+    )
+    .await;
     consumer.stop().await;
-    assert_eq!(env.stats().await, env.recount().await, "the late event did not count twice");
+    assert_eq!(
+        env.stats().await,
+        env.recount().await,
+        "the late event did not count twice"
+    );
 }
 
 #[tokio::test]
@@ -89,16 +138,28 @@ async fn a_dry_run_reports_drift_and_changes_nothing() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     env.votes_counted(&app, &mut Lcg(2), 60, 20, 2).await;
-    env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0'").await;
+    env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0'")
+        .await;
     let damaged = env.stats().await;
 
     let out = env
         .tally()
-        .args(["reconcile", "--target", "t0", "--dry-run", "--json", "--fail-on-drift"])
+        .args([
+            "reconcile",
+            "--target",
+            "t0",
+            "--dry-run",
+            "--json",
+            "--fail-on-drift",
+        ])
         .output()
         .unwrap_or_else(|e| panic!("{e}"));
 
-    assert_eq!(out.status.code(), Some(3), "--fail-on-drift exits 3 on drift");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "--fail-on-drift exits 3 on drift"
+    );
     let summary = json_of(&out);
     assert_eq!(summary["dry_run"], true);
     assert_eq!(summary["targets_drifted"], 1);
@@ -113,9 +174,16 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
     // 2000 targets, one or two votes each.
     let mut rng = Lcg(3);
     let n_targets = 2000;
-    let plan: Vec<(String, String)> = (0..2400).map(|i| (format!("u{}", rng.below(50)), format!("t{}", i % n_targets))).collect();
+    let plan: Vec<(String, String)> = (0..2400)
+        .map(|i| (format!("u{}", rng.below(50)), format!("t{}", i % n_targets)))
+        .collect();
     for chunk in plan.chunks(48) {
-        let replies = futures::future::join_all(chunk.iter().map(|(u, t)| app.vote(u, crate::support::new_key(), t, "like"))).await;
+        let replies = futures::future::join_all(
+            chunk
+                .iter()
+                .map(|(u, t)| app.vote(u, crate::support::new_key(), t, "like")),
+        )
+        .await;
         assert!(replies.iter().all(|r| r.status == 200));
     }
     let consumer = env.start_consumer();
@@ -124,8 +192,17 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
 
     // Three kinds of damage on 30 targets.
     for i in 0..10 {
-        env.cql(&format!("UPDATE target_stats SET likes = 77 WHERE target_id = 't{}'", i * 197)).await;
-        env.cql(&format!("DELETE FROM target_stats WHERE target_id = 't{}' AND user_id = 'u{}'", i * 193 + 1, 0)).await;
+        env.cql(&format!(
+            "UPDATE target_stats SET likes = 77 WHERE target_id = 't{}'",
+            i * 197
+        ))
+        .await;
+        env.cql(&format!(
+            "DELETE FROM target_stats WHERE target_id = 't{}' AND user_id = 'u{}'",
+            i * 193 + 1,
+            0
+        ))
+        .await;
         env.cql(&format!(
             "INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES ('late', 't{}', 'video', 'dislike', 1)",
             i * 191 + 2
@@ -134,30 +211,70 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
     }
     let drifted: usize = {
         let (stats, truth) = (env.stats().await, env.recount().await);
-        truth.iter().filter(|(t, v)| stats.get(*t) != Some(*v)).count()
+        truth
+            .iter()
+            .filter(|(t, v)| stats.get(*t) != Some(*v))
+            .count()
     };
     assert!(drifted >= 20, "the damage shows: {drifted} targets drifted");
 
     // Interrupt a slow sweep once it has saved a checkpoint.
-    let mut first = env.tally().args(["reconcile", "--all", "--rate", "300"]).spawn().unwrap_or_else(|e| panic!("{e}"));
-    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e:#}"));
+    let mut first = env
+        .tally()
+        .args(["reconcile", "--all", "--rate", "300"])
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let saved = eventually("a checkpoint", Duration::from_secs(60), || async {
-        store.targets.checkpoint("all").await.ok().flatten().filter(|c| c.checked >= 200)
+        store
+            .targets
+            .checkpoint("all")
+            .await
+            .ok()
+            .flatten()
+            .filter(|c| c.checked >= 200)
     })
     .await;
     first.kill().unwrap_or_else(|e| panic!("{e}"));
     let _ = first.wait();
 
-    let out = env.tally().args(["reconcile", "--all", "--rate", "0", "--json"]).output().unwrap_or_else(|e| panic!("{e}"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = env
+        .tally()
+        .args(["reconcile", "--all", "--rate", "0", "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let summary = json_of(&out);
     assert_eq!(summary["complete"], true);
-    assert!(summary["resumed_from_token"].is_i64(), "the second run resumed: {summary}");
+    assert!(
+        summary["resumed_from_token"].is_i64(),
+        "the second run resumed: {summary}"
+    );
     let second = summary["targets_checked"].as_u64().unwrap_or(0);
-    assert!(second < n_targets as u64, "resumed, not restarted: checked {second}");
-    assert!(second + saved.checked as u64 >= n_targets as u64, "together the runs covered every target");
-    assert_eq!(env.stats().await, env.recount().await, "every drifted target was repaired");
-    assert_eq!(store.targets.checkpoint("all").await.ok().flatten(), None, "a complete sweep clears its checkpoint");
+    assert!(
+        second < n_targets as u64,
+        "resumed, not restarted: checked {second}"
+    );
+    assert!(
+        second + saved.checked as u64 >= n_targets as u64,
+        "together the runs covered every target"
+    );
+    assert_eq!(
+        env.stats().await,
+        env.recount().await,
+        "every drifted target was repaired"
+    );
+    assert_eq!(
+        store.targets.checkpoint("all").await.ok().flatten(),
+        None,
+        "a complete sweep clears its checkpoint"
+    );
 }
 
 #[tokio::test]
@@ -168,10 +285,19 @@ async fn reconcile_in_a_loop_while_votes_and_the_consumer_run_ends_with_zero_dri
     let reconciler = env.reconciler().await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sweeping = tokio::spawn(async move {
-        let options = tally::reconcile::SweepOptions { name: "loop".into(), rate: 0.0, dry_run: false, restart: true, page_size: 50 };
+        let options = tally::reconcile::SweepOptions {
+            name: "loop".into(),
+            rate: 0.0,
+            dry_run: false,
+            restart: true,
+            page_size: 50,
+        };
         let mut rounds = 0u32;
         while !*stop_rx.borrow() {
-            reconciler.sweep(&options, &stop_rx, |_| {}).await.unwrap_or_else(|e| panic!("sweep: {e}"));
+            reconciler
+                .sweep(&options, &stop_rx, |_| {})
+                .await
+                .unwrap_or_else(|e| panic!("sweep: {e}"));
             rounds += 1;
         }
         rounds
@@ -190,10 +316,13 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     env.votes_counted(&app, &mut Lcg(9), 40, 10, 1).await;
-    env.cql("UPDATE target_stats SET dislikes = 1234 WHERE target_id = 't0'").await;
+    env.cql("UPDATE target_stats SET dislikes = 1234 WHERE target_id = 't0'")
+        .await;
     let url = format!("{}/v1/admin/reconcile/t0", app.address);
 
-    let user = app.send(app.client.post(&url).bearer_auth(token("mallory"))).await;
+    let user = app
+        .send(app.client.post(&url).bearer_auth(token("mallory")))
+        .await;
     let admin_token = tally::auth::mint(
         &tally::auth::AuthConfig::hs256(crate::support::JWT_SECRET),
         "support-1",
@@ -201,10 +330,16 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() {
         vec!["admin".into()],
     )
     .unwrap_or_else(|e| panic!("{e:#}"));
-    let admin = app.send(app.client.post(&url).bearer_auth(admin_token)).await;
+    let admin = app
+        .send(app.client.post(&url).bearer_auth(admin_token))
+        .await;
 
     assert_eq!(user.status, 403, "{user:?}");
-    assert_eq!(env.stats().await["t0"].1, env.recount().await["t0"].1, "{admin:?}");
+    assert_eq!(
+        env.stats().await["t0"].1,
+        env.recount().await["t0"].1,
+        "{admin:?}"
+    );
     assert_eq!(admin.status, 200);
     assert_eq!(admin.json()["totals_before"]["dislikes"], 1234);
     assert_eq!(admin.json()["repaired"], true);

@@ -18,11 +18,16 @@ struct Case {
 }
 
 fn post(app: &TestApp) -> reqwest::RequestBuilder {
-    app.client.post(format!("{}/v1/votes", app.address)).bearer_auth(token("mallory"))
+    app.client
+        .post(format!("{}/v1/votes", app.address))
+        .bearer_auth(token("mallory"))
 }
 
 fn with_body(app: &TestApp, body: &'static str) -> reqwest::RequestBuilder {
-    post(app).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
+    post(app)
+        .header("Idempotency-Key", new_key())
+        .header("Content-Type", "application/json")
+        .body(body)
 }
 
 #[tokio::test]
@@ -30,98 +35,279 @@ async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let cases = [
-        Case { name: "malformed JSON", status: 400, code: "malformed_json", request: |a| with_body(a, "{not json") },
-        Case { name: "invalid UTF-8", status: 400, code: "malformed_json", request: |a| {
-            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(vec![b'{', 0xff, 0xfe, b'}'])
-        } },
-        Case { name: "deeply nested JSON", status: 400, code: "malformed_json", request: |a| {
-            let deep = format!("{}{}", "[".repeat(2000), "]".repeat(2000));
-            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(deep)
-        } },
-        Case { name: "missing field", status: 400, code: "malformed_json", request: |a| with_body(a, r#"{"target_id":"v","action":"like"}"#) },
-        Case { name: "unknown action", status: 400, code: "invalid_action", request: |a| {
-            with_body(a, r#"{"target_id":"video_1","target_type":"video","action":"love"}"#)
-        } },
-        Case { name: "unknown target type", status: 400, code: "invalid_target_type", request: |a| {
-            with_body(a, r#"{"target_id":"video_1","target_type":"song","action":"like"}"#)
-        } },
-        Case { name: "bad target_id", status: 400, code: "invalid_target_id", request: |a| {
-            with_body(a, r##"{"target_id":"#idem","target_type":"video","action":"like"}"##)
-        } },
-        Case { name: "too long target_id", status: 400, code: "invalid_target_id", request: |a| {
-            let body = json!({"target_id": "v".repeat(129), "target_type": "video", "action": "like"}).to_string();
-            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
-        } },
-        Case { name: "action of the wrong type", status: 400, code: "malformed_json", request: |a| {
-            with_body(a, r#"{"target_id":"video_1","target_type":"video","action":1}"#)
-        } },
-        Case { name: "missing Idempotency-Key", status: 400, code: "missing_idempotency_key", request: |a| {
-            post(a).header("Content-Type", "application/json").body(VALID)
-        } },
-        Case { name: "Idempotency-Key with a space", status: 400, code: "invalid_idempotency_key", request: |a| {
-            post(a).header("Idempotency-Key", "two words").header("Content-Type", "application/json").body(VALID)
-        } },
-        Case { name: "Idempotency-Key too long", status: 400, code: "invalid_idempotency_key", request: |a| {
-            post(a).header("Idempotency-Key", "k".repeat(256)).header("Content-Type", "application/json").body(VALID)
-        } },
-        Case { name: "body over 4 KiB", status: 413, code: "payload_too_large", request: |a| {
-            let body = json!({"target_id": "video_1", "target_type": "video", "action": "like", "pad": "x".repeat(5000)}).to_string();
-            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(body)
-        } },
-        Case { name: "not JSON", status: 415, code: "unsupported_media_type", request: |a| {
-            post(a).header("Idempotency-Key", new_key()).header("Content-Type", "text/plain").body(VALID)
-        } },
-        Case { name: "no content type", status: 415, code: "unsupported_media_type", request: |a| {
-            post(a).header("Idempotency-Key", new_key()).body(VALID)
-        } },
-        Case { name: "no token", status: 401, code: "unauthorized", request: |a| {
-            a.client.post(format!("{}/v1/votes", a.address)).header("Idempotency-Key", new_key()).header("Content-Type", "application/json").body(VALID)
-        } },
-        Case { name: "summary without ids", status: 400, code: "invalid_target_ids", request: |a| {
-            a.client.get(format!("{}/v1/votes/summary", a.address)).bearer_auth(token("mallory"))
-        } },
-        Case { name: "summary with 101 ids", status: 400, code: "invalid_target_ids", request: |a| {
-            let ids = (0..101).map(|i| format!("v{i}")).collect::<Vec<_>>().join(",");
-            a.client.get(format!("{}/v1/votes/summary?target_ids={ids}", a.address)).bearer_auth(token("mallory"))
-        } },
-        Case { name: "summary with a bad id", status: 400, code: "invalid_target_ids", request: |a| {
-            a.client.get(format!("{}/v1/votes/summary?target_ids=ok,bad%20id", a.address)).bearer_auth(token("mallory"))
-        } },
-        Case { name: "summary with invalid UTF-8", status: 400, code: "invalid_target_ids", request: |a| {
-            a.client.get(format!("{}/v1/votes/summary?target_ids=%ff%fe", a.address)).bearer_auth(token("mallory"))
-        } },
-        Case { name: "unknown path", status: 404, code: "not_found", request: |a| {
-            a.client.get(format!("{}/v1/nothing", a.address))
-        } },
-        Case { name: "wrong method", status: 405, code: "method_not_allowed", request: |a| {
-            a.client.delete(format!("{}/v1/votes", a.address)).bearer_auth(token("mallory"))
-        } },
+        Case {
+            name: "malformed JSON",
+            status: 400,
+            code: "malformed_json",
+            request: |a| with_body(a, "{not json"),
+        },
+        Case {
+            name: "invalid UTF-8",
+            status: 400,
+            code: "malformed_json",
+            request: |a| {
+                post(a)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(vec![b'{', 0xff, 0xfe, b'}'])
+            },
+        },
+        Case {
+            name: "deeply nested JSON",
+            status: 400,
+            code: "malformed_json",
+            request: |a| {
+                let deep = format!("{}{}", "[".repeat(2000), "]".repeat(2000));
+                post(a)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(deep)
+            },
+        },
+        Case {
+            name: "missing field",
+            status: 400,
+            code: "malformed_json",
+            request: |a| with_body(a, r#"{"target_id":"v","action":"like"}"#),
+        },
+        Case {
+            name: "unknown action",
+            status: 400,
+            code: "invalid_action",
+            request: |a| {
+                with_body(
+                    a,
+                    r#"{"target_id":"video_1","target_type":"video","action":"love"}"#,
+                )
+            },
+        },
+        Case {
+            name: "unknown target type",
+            status: 400,
+            code: "invalid_target_type",
+            request: |a| {
+                with_body(
+                    a,
+                    r#"{"target_id":"video_1","target_type":"song","action":"like"}"#,
+                )
+            },
+        },
+        Case {
+            name: "bad target_id",
+            status: 400,
+            code: "invalid_target_id",
+            request: |a| {
+                with_body(
+                    a,
+                    r##"{"target_id":"#idem","target_type":"video","action":"like"}"##,
+                )
+            },
+        },
+        Case {
+            name: "too long target_id",
+            status: 400,
+            code: "invalid_target_id",
+            request: |a| {
+                let body =
+                    json!({"target_id": "v".repeat(129), "target_type": "video", "action": "like"})
+                        .to_string();
+                post(a)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(body)
+            },
+        },
+        Case {
+            name: "action of the wrong type",
+            status: 400,
+            code: "malformed_json",
+            request: |a| {
+                with_body(
+                    a,
+                    r#"{"target_id":"video_1","target_type":"video","action":1}"#,
+                )
+            },
+        },
+        Case {
+            name: "missing Idempotency-Key",
+            status: 400,
+            code: "missing_idempotency_key",
+            request: |a| {
+                post(a)
+                    .header("Content-Type", "application/json")
+                    .body(VALID)
+            },
+        },
+        Case {
+            name: "Idempotency-Key with a space",
+            status: 400,
+            code: "invalid_idempotency_key",
+            request: |a| {
+                post(a)
+                    .header("Idempotency-Key", "two words")
+                    .header("Content-Type", "application/json")
+                    .body(VALID)
+            },
+        },
+        Case {
+            name: "Idempotency-Key too long",
+            status: 400,
+            code: "invalid_idempotency_key",
+            request: |a| {
+                post(a)
+                    .header("Idempotency-Key", "k".repeat(256))
+                    .header("Content-Type", "application/json")
+                    .body(VALID)
+            },
+        },
+        Case {
+            name: "body over 4 KiB",
+            status: 413,
+            code: "payload_too_large",
+            request: |a| {
+                let body = json!({"target_id": "video_1", "target_type": "video", "action": "like", "pad": "x".repeat(5000)}).to_string();
+                post(a)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(body)
+            },
+        },
+        Case {
+            name: "not JSON",
+            status: 415,
+            code: "unsupported_media_type",
+            request: |a| {
+                post(a)
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "text/plain")
+                    .body(VALID)
+            },
+        },
+        Case {
+            name: "no content type",
+            status: 415,
+            code: "unsupported_media_type",
+            request: |a| post(a).header("Idempotency-Key", new_key()).body(VALID),
+        },
+        Case {
+            name: "no token",
+            status: 401,
+            code: "unauthorized",
+            request: |a| {
+                a.client
+                    .post(format!("{}/v1/votes", a.address))
+                    .header("Idempotency-Key", new_key())
+                    .header("Content-Type", "application/json")
+                    .body(VALID)
+            },
+        },
+        Case {
+            name: "summary without ids",
+            status: 400,
+            code: "invalid_target_ids",
+            request: |a| {
+                a.client
+                    .get(format!("{}/v1/votes/summary", a.address))
+                    .bearer_auth(token("mallory"))
+            },
+        },
+        Case {
+            name: "summary with 101 ids",
+            status: 400,
+            code: "invalid_target_ids",
+            request: |a| {
+                let ids = (0..101)
+                    .map(|i| format!("v{i}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                a.client
+                    .get(format!("{}/v1/votes/summary?target_ids={ids}", a.address))
+                    .bearer_auth(token("mallory"))
+            },
+        },
+        Case {
+            name: "summary with a bad id",
+            status: 400,
+            code: "invalid_target_ids",
+            request: |a| {
+                a.client
+                    .get(format!(
+                        "{}/v1/votes/summary?target_ids=ok,bad%20id",
+                        a.address
+                    ))
+                    .bearer_auth(token("mallory"))
+            },
+        },
+        Case {
+            name: "summary with invalid UTF-8",
+            status: 400,
+            code: "invalid_target_ids",
+            request: |a| {
+                a.client
+                    .get(format!("{}/v1/votes/summary?target_ids=%ff%fe", a.address))
+                    .bearer_auth(token("mallory"))
+            },
+        },
+        Case {
+            name: "unknown path",
+            status: 404,
+            code: "not_found",
+            request: |a| a.client.get(format!("{}/v1/nothing", a.address)),
+        },
+        Case {
+            name: "wrong method",
+            status: 405,
+            code: "method_not_allowed",
+            request: |a| {
+                a.client
+                    .delete(format!("{}/v1/votes", a.address))
+                    .bearer_auth(token("mallory"))
+            },
+        },
     ];
 
     for case in &cases {
         let reply = app.send((case.request)(&app)).await;
         if case.status == 405 {
-            assert_eq!(reply.headers.get("allow").map(|v| v.as_bytes()), Some(&b"POST"[..]), "405 names the allowed method");
+            assert_eq!(
+                reply.headers.get("allow").map(|v| v.as_bytes()),
+                Some(&b"POST"[..]),
+                "405 names the allowed method"
+            );
         }
         assert_eq!(reply.status, case.status, "{}: {reply:?}", case.name);
         assert_eq!(reply.code(), case.code, "{}: {}", case.name, reply.body);
         assert!(
-            reply.headers.get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/json")),
+            reply
+                .headers
+                .get("content-type")
+                .is_some_and(|v| v.as_bytes().starts_with(b"application/json")),
             "{}: errors are JSON",
             case.name
         );
     }
-    assert_eq!(env.rows_of("mallory").await, 0, "no rejected request wrote a row");
+    assert_eq!(
+        env.rows_of("mallory").await,
+        0,
+        "no rejected request wrote a row"
+    );
     assert_eq!(env.published(), 0, "no rejected request published");
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn signed(claims: serde_json::Value, secret: &str) -> String {
-    jsonwebtoken::encode(&Header::default(), &claims, &EncodingKey::from_secret(secret.as_bytes()))
-        .unwrap_or_else(|e| panic!("{e}"))
+    jsonwebtoken::encode(
+        &Header::default(),
+        &claims,
+        &EncodingKey::from_secret(secret.as_bytes()),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn unsigned(claims: serde_json::Value) -> String {
@@ -130,14 +316,20 @@ fn unsigned(claims: serde_json::Value) -> String {
         const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let mut out = String::new();
         for c in bytes.chunks(3) {
-            let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
+            let n = (u32::from(c[0]) << 16)
+                | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+                | u32::from(*c.get(2).unwrap_or(&0));
             for i in 0..=c.len() {
                 let _ = out.write_char(A[((n >> (18 - 6 * i)) & 63) as usize] as char);
             }
         }
         out
     }
-    format!("{}.{}.", b64(br#"{"alg":"none","typ":"JWT"}"#), b64(claims.to_string().as_bytes()))
+    format!(
+        "{}.{}.",
+        b64(br#"{"alg":"none","typ":"JWT"}"#),
+        b64(claims.to_string().as_bytes())
+    )
 }
 
 #[tokio::test]
@@ -146,13 +338,28 @@ async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
     let app = env.spawn_app().await;
     let later = now() + 3600;
     let forged = [
-        ("wrong secret", signed(json!({"sub": "victim", "exp": later}), "not-the-secret")),
-        ("expired", signed(json!({"sub": "victim", "exp": now() - 3600}), JWT_SECRET)),
-        ("not yet valid", signed(json!({"sub": "victim", "exp": later, "nbf": later - 60}), JWT_SECRET)),
+        (
+            "wrong secret",
+            signed(json!({"sub": "victim", "exp": later}), "not-the-secret"),
+        ),
+        (
+            "expired",
+            signed(json!({"sub": "victim", "exp": now() - 3600}), JWT_SECRET),
+        ),
+        (
+            "not yet valid",
+            signed(
+                json!({"sub": "victim", "exp": later, "nbf": later - 60}),
+                JWT_SECRET,
+            ),
+        ),
         ("alg none", unsigned(json!({"sub": "victim", "exp": later}))),
         ("no sub", signed(json!({"exp": later}), JWT_SECRET)),
         ("no exp", signed(json!({"sub": "victim"}), JWT_SECRET)),
-        ("empty sub", signed(json!({"sub": "", "exp": later}), JWT_SECRET)),
+        (
+            "empty sub",
+            signed(json!({"sub": "", "exp": later}), JWT_SECRET),
+        ),
         ("garbage", "not.a.token".to_owned()),
     ];
     for (name, bad) in &forged {
@@ -167,10 +374,24 @@ async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
             )
             .await;
         assert_eq!(vote.status, 401, "{name}: {vote:?}");
-        let challenge = vote.headers.get("www-authenticate").map(|v| v.to_str().unwrap_or("")).unwrap_or("");
-        assert!(challenge.starts_with("Bearer"), "{name}: WWW-Authenticate is {challenge:?}");
+        let challenge = vote
+            .headers
+            .get("www-authenticate")
+            .map(|v| v.to_str().unwrap_or(""))
+            .unwrap_or("");
+        assert!(
+            challenge.starts_with("Bearer"),
+            "{name}: WWW-Authenticate is {challenge:?}"
+        );
         let read = app
-            .send(app.client.get(format!("{}/v1/votes/summary?target_ids=video_1", app.address)).bearer_auth(bad))
+            .send(
+                app.client
+                    .get(format!(
+                        "{}/v1/votes/summary?target_ids=video_1",
+                        app.address
+                    ))
+                    .bearer_auth(bad),
+            )
             .await;
         assert_eq!(read.status, 401, "{name}: {read:?}");
     }
@@ -182,7 +403,8 @@ async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
 async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    let body = r#"{"target_id":"video_9","target_type":"video","action":"like","user_id":"victim"}"#;
+    let body =
+        r#"{"target_id":"video_9","target_type":"video","action":"like","user_id":"victim"}"#;
 
     let reply = app
         .send(
@@ -196,10 +418,20 @@ async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state
         .await;
 
     assert_eq!(reply.status, 200);
-    assert_eq!(env.reaction("attacker", "video_9").await, Some(("like".into(), 1)));
-    assert_eq!(env.rows_of("victim").await, 0, "the body cannot name the voter");
+    assert_eq!(
+        env.reaction("attacker", "video_9").await,
+        Some(("like".into(), 1))
+    );
+    assert_eq!(
+        env.rows_of("victim").await,
+        0,
+        "the body cannot name the voter"
+    );
     let victims_view = app.summary("victim", "video_9").await.json();
-    assert_eq!(victims_view["items"]["video_9"]["user_state"], "none", "the attacker's like is not the victim's state");
+    assert_eq!(
+        victims_view["items"]["video_9"]["user_state"], "none",
+        "the attacker's like is not the victim's state"
+    );
     assert_eq!(victims_view["items"]["video_9"]["likes"], 1);
 }
 
@@ -207,15 +439,25 @@ async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state
 async fn openapi_document_is_valid_3_1_and_lists_every_status() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    let reply = app.send(app.client.get(format!("{}/openapi.json", app.address))).await;
+    let reply = app
+        .send(app.client.get(format!("{}/openapi.json", app.address)))
+        .await;
     assert_eq!(reply.status, 200);
     let doc = reply.json();
     assert_eq!(doc["openapi"], "3.1.0");
-    for status in ["200", "400", "401", "405", "409", "413", "415", "422", "429", "503"] {
-        assert!(doc["paths"]["/v1/votes"]["post"]["responses"][status].is_object(), "POST /v1/votes lacks {status}");
+    for status in [
+        "200", "400", "401", "405", "409", "413", "415", "422", "429", "503",
+    ] {
+        assert!(
+            doc["paths"]["/v1/votes"]["post"]["responses"][status].is_object(),
+            "POST /v1/votes lacks {status}"
+        );
     }
     for status in ["200", "400", "401", "405", "503"] {
-        assert!(doc["paths"]["/v1/votes/summary"]["get"]["responses"][status].is_object(), "summary lacks {status}");
+        assert!(
+            doc["paths"]["/v1/votes/summary"]["get"]["responses"][status].is_object(),
+            "summary lacks {status}"
+        );
     }
 
     // A real validator: openapi-spec-validator, installed by scripts/test.sh.
@@ -241,7 +483,12 @@ async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change
     let app = env.spawn_app().await; // 20 votes/s per user, bursts of 60
 
     let targets: Vec<String> = (0..100).map(|i| format!("video_{i}")).collect();
-    let replies = futures::future::join_all(targets.iter().map(|t| app.vote("flood", new_key(), t, "like"))).await;
+    let replies = futures::future::join_all(
+        targets
+            .iter()
+            .map(|t| app.vote("flood", new_key(), t, "like")),
+    )
+    .await;
 
     let ok = replies.iter().filter(|r| r.status == 200).count();
     let limited: Vec<_> = replies.iter().filter(|r| r.status == 429).collect();
@@ -249,10 +496,19 @@ async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change
     assert!(limited.len() >= 30, "{} limited", limited.len());
     for r in &limited {
         assert_eq!(r.code(), "rate_limited");
-        let wait: u64 = r.headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let wait: u64 = r
+            .headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         assert!(wait >= 1, "Retry-After: {wait}");
     }
-    assert_eq!(env.rows_of("flood").await, 2 * ok as i64, "a reaction and a key per accepted vote, nothing for refused ones");
+    assert_eq!(
+        env.rows_of("flood").await,
+        2 * ok as i64,
+        "a reaction and a key per accepted vote, nothing for refused ones"
+    );
     assert_eq!(env.published(), ok as i64);
     let other = app.vote("calm", new_key(), "video_0", "like").await;
     assert_eq!(other.status, 200, "the limit is per user");

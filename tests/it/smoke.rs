@@ -19,16 +19,30 @@ async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
 
-    let first = env.session.execute_unpaged(&insert, ("alice", "video_1", "like", 1_i64)).await;
-    let second = env.session.execute_unpaged(&insert, ("alice", "video_1", "dislike", 1_i64)).await;
+    let first = env
+        .session
+        .execute_unpaged(&insert, ("alice", "video_1", "like", 1_i64))
+        .await;
+    let second = env
+        .session
+        .execute_unpaged(&insert, ("alice", "video_1", "dislike", 1_i64))
+        .await;
 
-    let applied = |r: Result<_, _>| store::was_applied(r.unwrap_or_else(|e| panic!("{e}"))).unwrap_or_else(|e| panic!("{e:#}"));
+    let applied = |r: Result<_, _>| {
+        store::was_applied(r.unwrap_or_else(|e| panic!("{e}"))).unwrap_or_else(|e| panic!("{e:#}"))
+    };
     assert!(applied(first), "the first INSERT IF NOT EXISTS must apply");
-    assert!(!applied(second), "the second INSERT IF NOT EXISTS must not apply");
+    assert!(
+        !applied(second),
+        "the second INSERT IF NOT EXISTS must not apply"
+    );
 
     let (state,): (String,) = env
         .session
-        .query_unpaged("SELECT state FROM reactions WHERE user_id = 'alice' AND target_id = 'video_1'", ())
+        .query_unpaged(
+            "SELECT state FROM reactions WHERE user_id = 'alice' AND target_id = 'video_1'",
+            (),
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .into_rows_result()
@@ -41,10 +55,20 @@ async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() 
 #[tokio::test]
 async fn kafka_carries_one_message_from_a_producer_to_a_consumer() {
     let env = TestEnv::new().await;
-    let producer: FutureProducer = env.kafka.client().set("enable.idempotence", "true").create().unwrap_or_else(|e| panic!("{e}"));
+    let producer: FutureProducer = env
+        .kafka
+        .client()
+        .set("enable.idempotence", "true")
+        .create()
+        .unwrap_or_else(|e| panic!("{e}"));
     let payload = format!("hello from {}", env.id);
     producer
-        .send(FutureRecord::to(&env.kafka.topic).key("video_1").payload(&payload), Duration::from_secs(10))
+        .send(
+            FutureRecord::to(&env.kafka.topic)
+                .key("video_1")
+                .payload(&payload),
+            Duration::from_secs(10),
+        )
         .await
         .unwrap_or_else(|(e, _)| panic!("delivery failed: {e}"));
 
@@ -55,7 +79,9 @@ async fn kafka_carries_one_message_from_a_producer_to_a_consumer() {
         .set("auto.offset.reset", "earliest")
         .create()
         .unwrap_or_else(|e| panic!("{e}"));
-    consumer.subscribe(&[&env.kafka.topic]).unwrap_or_else(|e| panic!("{e}"));
+    consumer
+        .subscribe(&[&env.kafka.topic])
+        .unwrap_or_else(|e| panic!("{e}"));
     let msg = tokio::time::timeout(Duration::from_secs(60), consumer.stream().next())
         .await
         .unwrap_or_else(|_| panic!("no message within 60s"))
@@ -71,25 +97,43 @@ async fn redis_stores_and_returns_a_key() {
     let pool = tally::cache::pool(&env.redis).unwrap_or_else(|e| panic!("{e:#}"));
     let mut conn = pool.get().await.unwrap_or_else(|e| panic!("{e}"));
     let key = format!("{}:smoke", env.redis.prefix);
-    let () = redis::cmd("SET").arg(&key).arg(&env.id).query_async(&mut conn).await.unwrap_or_else(|e| panic!("{e}"));
-    let back: Option<String> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.unwrap_or_else(|e| panic!("{e}"));
+    let () = redis::cmd("SET")
+        .arg(&key)
+        .arg(&env.id)
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let back: Option<String> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.as_deref(), Some(env.id.as_str()));
 }
 
 #[tokio::test]
 async fn migrate_twice_applies_nothing_the_second_time() {
     let env = TestEnv::new().await;
-    let session = store::connect(&env.cassandra).await.unwrap_or_else(|e| panic!("{e:#}"));
-    let again = store::migrate::run(&session, &env.cassandra.keyspace, &store::migrate::Replication::Simple(1))
+    let session = store::connect(&env.cassandra)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
+    let again = store::migrate::run(
+        &session,
+        &env.cassandra.keyspace,
+        &store::migrate::Replication::Simple(1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
     assert!(again.applied.is_empty(), "re-applied {:?}", again.applied);
     assert_eq!(again.already.len(), store::migrate::MIGRATIONS.len());
 }
 
 #[test]
 fn tally_help_lists_every_subcommand() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally")).arg("--help").output().unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
     for sub in ["vote", "consumer", "reconcile", "migrate"] {

@@ -21,22 +21,43 @@ async fn alice_like_then_dislike_then_undo_moves_each_total_once() {
     let app = env.spawn_app().await;
 
     let like = app.vote("alice", new_key(), "video_abc123", "like").await;
-    let dislike = app.vote("alice", new_key(), "video_abc123", "dislike").await;
+    let dislike = app
+        .vote("alice", new_key(), "video_abc123", "dislike")
+        .await;
     let undo = app.vote("alice", new_key(), "video_abc123", "none").await;
 
-    assert_eq!((like.status, dislike.status, undo.status), (200, 200, 200), "{like:?} {dislike:?} {undo:?}");
+    assert_eq!(
+        (like.status, dislike.status, undo.status),
+        (200, 200, 200),
+        "{like:?} {dislike:?} {undo:?}"
+    );
     assert_eq!(totals(&like), (1, 0, "like".into()));
     assert_eq!(totals(&dislike), (0, 1, "dislike".into()));
     assert_eq!(totals(&undo), (0, 0, "none".into()));
 
-    let seen: Vec<(Reaction, Reaction, i64)> = env.transitions().await.iter().map(|t| (t.from, t.to, t.version)).collect();
+    let seen: Vec<(Reaction, Reaction, i64)> = env
+        .transitions()
+        .await
+        .iter()
+        .map(|t| (t.from, t.to, t.version))
+        .collect();
     assert_eq!(
         seen,
-        [(Reaction::None, Reaction::Like, 1), (Reaction::Like, Reaction::Dislike, 2), (Reaction::Dislike, Reaction::None, 3)]
+        [
+            (Reaction::None, Reaction::Like, 1),
+            (Reaction::Like, Reaction::Dislike, 2),
+            (Reaction::Dislike, Reaction::None, 3)
+        ]
     );
     let t = &env.transitions().await[0];
-    assert_eq!((t.user_id.as_str(), t.target_id.as_str()), ("alice", "video_abc123"));
-    assert_eq!(env.reaction("alice", "video_abc123").await, Some(("none".into(), 3)));
+    assert_eq!(
+        (t.user_id.as_str(), t.target_id.as_str()),
+        ("alice", "video_abc123")
+    );
+    assert_eq!(
+        env.reaction("alice", "video_abc123").await,
+        Some(("none".into(), 3))
+    );
 }
 
 #[tokio::test]
@@ -44,12 +65,18 @@ async fn a_double_click_with_two_keys_publishes_one_transition() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
-    let (a, b) = tokio::join!(app.vote("bob", new_key(), "video_1", "like"), app.vote("bob", new_key(), "video_1", "like"));
+    let (a, b) = tokio::join!(
+        app.vote("bob", new_key(), "video_1", "like"),
+        app.vote("bob", new_key(), "video_1", "like")
+    );
 
     assert_eq!((a.status, b.status), (200, 200), "{a:?} {b:?}");
     assert_eq!((totals(&a).2, totals(&b).2), ("like".into(), "like".into()));
     assert_eq!(env.published(), 1);
-    assert_eq!(env.reaction("bob", "video_1").await, Some(("like".into(), 1)));
+    assert_eq!(
+        env.reaction("bob", "video_1").await,
+        Some(("like".into(), 1))
+    );
 }
 
 #[tokio::test]
@@ -57,14 +84,22 @@ async fn fifty_concurrent_likes_from_one_user_publish_exactly_one_transition() {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
-    let replies = join_all((0..50).map(|_| app.vote("carol", new_key(), "video_hot", "like"))).await;
+    let replies =
+        join_all((0..50).map(|_| app.vote("carol", new_key(), "video_hot", "like"))).await;
 
     for r in &replies {
         assert_eq!(r.status, 200, "{r:?}");
         assert_eq!(totals(r).2, "like");
     }
-    assert_eq!(env.published(), 1, "50 likes of one user are one change of state");
-    assert_eq!(env.reaction("carol", "video_hot").await, Some(("like".into(), 1)));
+    assert_eq!(
+        env.published(),
+        1,
+        "50 likes of one user are one change of state"
+    );
+    assert_eq!(
+        env.reaction("carol", "video_hot").await,
+        Some(("like".into(), 1))
+    );
     let summary = app.summary("carol", "video_hot").await.json();
     assert_eq!(summary["items"]["video_hot"]["likes"], 1);
 }
@@ -75,18 +110,30 @@ async fn fifty_users_liking_one_target_concurrently_publish_fifty_first_versions
     let app = env.spawn_app().await;
 
     let users: Vec<String> = (0..50).map(|i| format!("user_{i}")).collect();
-    let replies = join_all(users.iter().map(|u| app.vote(u, new_key(), "video_viral", "like"))).await;
+    let replies = join_all(
+        users
+            .iter()
+            .map(|u| app.vote(u, new_key(), "video_viral", "like")),
+    )
+    .await;
 
     assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
     let transitions = env.transitions().await;
     assert_eq!(transitions.len(), 50);
-    assert!(transitions.iter().all(|t| t.version == 1 && t.from == Reaction::None && t.to == Reaction::Like));
+    assert!(
+        transitions
+            .iter()
+            .all(|t| t.version == 1 && t.from == Reaction::None && t.to == Reaction::Like)
+    );
     let mut voters: Vec<&str> = transitions.iter().map(|t| t.user_id.as_str()).collect();
     voters.sort_unstable();
     voters.dedup();
     assert_eq!(voters.len(), 50, "one transition per user");
     let summary = app.summary("someone_else", "video_viral").await.json();
-    assert_eq!(summary["items"]["video_viral"]["likes"], 50, "the cache took every delta once");
+    assert_eq!(
+        summary["items"]["video_viral"]["likes"], 50,
+        "the cache took every delta once"
+    );
 }
 
 #[tokio::test]
@@ -106,10 +153,19 @@ async fn a_replayed_key_returns_the_identical_body_and_publishes_nothing() {
     assert!(first.headers.get("Idempotent-Replayed").is_none());
     assert_eq!(again.status, 200);
     assert_eq!(again.body, first.body, "a replay is byte-identical");
-    assert_eq!(again.headers.get("Idempotent-Replayed").map(|v| v.as_bytes()), Some(&b"true"[..]));
+    assert_eq!(
+        again
+            .headers
+            .get("Idempotent-Replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
     assert_eq!(published, 1);
     assert_eq!(env.published(), after_erin, "the replay published nothing");
-    assert_eq!(env.reaction("dave", "video_2").await, Some(("like".into(), 1)));
+    assert_eq!(
+        env.reaction("dave", "video_2").await,
+        Some(("like".into(), 1))
+    );
 }
 
 #[tokio::test]
@@ -123,9 +179,18 @@ async fn a_late_retry_of_a_like_after_a_dislike_leaves_the_user_on_dislike() {
     let dislike = app.vote("frank", new_key(), "video_3", "dislike").await;
     let late_retry = app.vote("frank", &like_key, "video_3", "like").await;
 
-    assert_eq!((like.status, dislike.status, late_retry.status), (200, 200, 200));
-    assert_eq!(late_retry.body, like.body, "the retry gets the like's stored answer");
-    assert_eq!(env.reaction("frank", "video_3").await, Some(("dislike".into(), 2)));
+    assert_eq!(
+        (like.status, dislike.status, late_retry.status),
+        (200, 200, 200)
+    );
+    assert_eq!(
+        late_retry.body, like.body,
+        "the retry gets the like's stored answer"
+    );
+    assert_eq!(
+        env.reaction("frank", "video_3").await,
+        Some(("dislike".into(), 2))
+    );
     assert_eq!(env.published(), 2);
     let summary = app.summary("frank", "video_3").await.json();
     assert_eq!(summary["items"]["video_3"]["user_state"], "dislike");
@@ -144,8 +209,15 @@ async fn a_no_op_records_its_key_so_its_late_retry_cannot_undo_a_later_change() 
 
     assert_eq!(noop.status, 200);
     assert_eq!(retry.body, noop.body);
-    assert_eq!(env.reaction("gina", "video_4").await, Some(("none".into(), 2)));
-    assert_eq!(env.published(), 2, "like and none; the no-op published nothing");
+    assert_eq!(
+        env.reaction("gina", "video_4").await,
+        Some(("none".into(), 2))
+    );
+    assert_eq!(
+        env.published(),
+        2,
+        "like and none; the no-op published nothing"
+    );
 }
 
 #[tokio::test]
@@ -161,7 +233,10 @@ async fn a_key_reused_with_another_body_is_refused_with_422() {
     assert_eq!(reused.status, 422, "{reused:?}");
     assert_eq!(reused.code(), "idempotency_key_reused");
     assert_eq!(other_target.status, 422);
-    assert_eq!(env.reaction("hank", "video_5").await, Some(("like".into(), 1)));
+    assert_eq!(
+        env.reaction("hank", "video_5").await,
+        Some(("like".into(), 1))
+    );
     assert_eq!(env.reaction("hank", "video_6").await, None);
     assert_eq!(env.published(), 1);
 }
@@ -177,7 +252,10 @@ async fn keys_are_scoped_to_the_user() {
 
     assert_eq!((a.status, b.status), (200, 200));
     assert!(b.headers.get("Idempotent-Replayed").is_none());
-    assert_eq!(env.reaction("judy", "video_7").await, Some(("dislike".into(), 1)));
+    assert_eq!(
+        env.reaction("judy", "video_7").await,
+        Some(("dislike".into(), 1))
+    );
     assert_eq!(env.published(), 2);
 }
 
@@ -189,12 +267,27 @@ async fn the_summary_gives_counts_and_only_the_callers_own_state() {
     app.vote("leo", new_key(), "video_8", "dislike").await;
     app.vote("leo", new_key(), "comment_1", "like").await;
 
-    let kate = app.summary("kate", "video_8,comment_1,nobody_voted,video_8").await;
+    let kate = app
+        .summary("kate", "video_8,comment_1,nobody_voted,video_8")
+        .await;
     let v = kate.json();
 
     assert_eq!(kate.status, 200);
-    assert_eq!(v["items"].as_object().map(|m| m.len()), Some(3), "duplicates collapse: {v}");
-    assert_eq!(v["items"]["video_8"], serde_json::json!({"likes": 1, "dislikes": 1, "user_state": "like"}));
-    assert_eq!(v["items"]["comment_1"], serde_json::json!({"likes": 1, "dislikes": 0, "user_state": "none"}));
-    assert_eq!(v["items"]["nobody_voted"], serde_json::json!({"likes": 0, "dislikes": 0, "user_state": "none"}));
+    assert_eq!(
+        v["items"].as_object().map(|m| m.len()),
+        Some(3),
+        "duplicates collapse: {v}"
+    );
+    assert_eq!(
+        v["items"]["video_8"],
+        serde_json::json!({"likes": 1, "dislikes": 1, "user_state": "like"})
+    );
+    assert_eq!(
+        v["items"]["comment_1"],
+        serde_json::json!({"likes": 1, "dislikes": 0, "user_state": "none"})
+    );
+    assert_eq!(
+        v["items"]["nobody_voted"],
+        serde_json::json!({"likes": 0, "dislikes": 0, "user_state": "none"})
+    );
 }

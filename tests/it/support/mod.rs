@@ -31,38 +31,69 @@ impl TestEnv {
         let cassandra = CassandraConfig::local(&format!("t_{id}"));
         let kafka = KafkaConfig::local(&format!("t-{id}-transitions"));
         let redis = RedisConfig::local(&format!("t-{id}"));
-        let admin = store::connect(&cassandra).await.unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
+        let admin = store::connect(&cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
         store::migrate::run(&admin, &cassandra.keyspace, &Replication::Simple(1))
             .await
             .unwrap_or_else(|e| panic!("migrate failed: {e:#}"));
-        bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, 1).await.unwrap_or_else(|e| panic!("topics: {e:#}"));
-        let session = store::connect_keyspace(&cassandra).await.unwrap_or_else(|e| panic!("{e:#}"));
-        TestEnv { group: format!("t-{id}-group"), id, cassandra, kafka, redis, session }
+        bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, 1)
+            .await
+            .unwrap_or_else(|e| panic!("topics: {e:#}"));
+        let session = store::connect_keyspace(&cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        TestEnv {
+            group: format!("t-{id}-group"),
+            id,
+            cassandra,
+            kafka,
+            redis,
+            session,
+        }
     }
 }
 
 impl TestEnv {
     /// A fresh session, after a fault took Cassandra down and up again.
     pub async fn reconnect(&mut self) {
-        self.session = eventually("Cassandra to accept a session", Duration::from_secs(120), || async {
-            store::connect_keyspace(&self.cassandra).await.ok()
-        })
+        self.session = eventually(
+            "Cassandra to accept a session",
+            Duration::from_secs(120),
+            || async { store::connect_keyspace(&self.cassandra).await.ok() },
+        )
         .await;
     }
 }
 
 impl Drop for TestEnv {
     fn drop(&mut self) {
-        let (cassandra, kafka, redis) = (self.cassandra.clone(), self.kafka.clone(), self.redis.clone());
+        let (cassandra, kafka, redis) = (
+            self.cassandra.clone(),
+            self.kafka.clone(),
+            self.redis.clone(),
+        );
         // Drop runs outside async code (and maybe while panicking), so the
         // clean-up gets a thread and a runtime of its own.
         let cleanup = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
             rt.block_on(async move {
                 if let Ok(session) = store::connect(&cassandra).await {
-                    let _ = session.query_unpaged(format!("DROP KEYSPACE IF EXISTS {}", cassandra.keyspace), ()).await;
+                    let _ = session
+                        .query_unpaged(
+                            format!("DROP KEYSPACE IF EXISTS {}", cassandra.keyspace),
+                            (),
+                        )
+                        .await;
                 }
-                let _ = bus::admin::delete_topics(&kafka, &[&kafka.topic, &kafka.dead_letter_topic]).await;
+                let _ =
+                    bus::admin::delete_topics(&kafka, &[&kafka.topic, &kafka.dead_letter_topic])
+                        .await;
                 if let Ok(pool) = tally::cache::pool(&redis) {
                     if let Ok(mut conn) = pool.get().await {
                         let keys: Vec<String> = redis::cmd("KEYS")
@@ -71,7 +102,8 @@ impl Drop for TestEnv {
                             .await
                             .unwrap_or_default();
                         if !keys.is_empty() {
-                            let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+                            let _: Result<(), _> =
+                                redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
                         }
                     }
                 }
@@ -119,7 +151,10 @@ impl TestEnv {
             max_in_flight: 1024,
             consumer_group: self.group.clone(),
             auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
-            cache_ttl: tally::cache::TtlPolicy { min: Duration::from_secs(60), max: Duration::from_secs(3600) },
+            cache_ttl: tally::cache::TtlPolicy {
+                min: Duration::from_secs(60),
+                max: Duration::from_secs(3600),
+            },
             cassandra: self.cassandra.clone(),
             kafka: self.kafka.clone(),
             redis: self.redis.clone(),
@@ -127,10 +162,15 @@ impl TestEnv {
     }
 
     pub async fn spawn_app(&self) -> TestApp {
-        let app = tally::api::Application::build(self.api_config()).await.unwrap_or_else(|e| panic!("app: {e:#}"));
+        let app = tally::api::Application::build(self.api_config())
+            .await
+            .unwrap_or_else(|e| panic!("app: {e:#}"));
         let address = format!("http://127.0.0.1:{}", app.port());
         tokio::spawn(app.run_until_stopped());
-        TestApp { address, client: reqwest::Client::new() }
+        TestApp {
+            address,
+            client: reqwest::Client::new(),
+        }
     }
 
     /// How many messages the transitions topic holds (sum of high
@@ -139,7 +179,11 @@ impl TestEnv {
     /// nothing was published.
     pub fn published(&self) -> i64 {
         use rdkafka::consumer::{BaseConsumer, Consumer};
-        let consumer: BaseConsumer = self.kafka.client().create().unwrap_or_else(|e| panic!("{e}"));
+        let consumer: BaseConsumer = self
+            .kafka
+            .client()
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
         (0..TEST_PARTITIONS)
             .map(|p| {
                 let (_, high) = consumer
@@ -158,19 +202,27 @@ impl TestEnv {
         let consumer: BaseConsumer = self
             .kafka
             .client()
-            .set("group.id", format!("{}-reader-{}", self.group, uuid::Uuid::new_v4().simple()))
+            .set(
+                "group.id",
+                format!("{}-reader-{}", self.group, uuid::Uuid::new_v4().simple()),
+            )
             .set("enable.auto.commit", "false")
             .create()
             .unwrap_or_else(|e| panic!("{e}"));
         let mut tpl = TopicPartitionList::new();
         for p in 0..TEST_PARTITIONS {
-            tpl.add_partition_offset(&self.kafka.topic, p, Offset::Beginning).unwrap_or_else(|e| panic!("{e}"));
+            tpl.add_partition_offset(&self.kafka.topic, p, Offset::Beginning)
+                .unwrap_or_else(|e| panic!("{e}"));
         }
         consumer.assign(&tpl).unwrap_or_else(|e| panic!("{e}"));
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         let mut out = Vec::new();
         while (out.len() as i64) < expected {
-            assert!(std::time::Instant::now() < deadline, "read {} of {expected} transitions", out.len());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "read {} of {expected} transitions",
+                out.len()
+            );
             if let Some(msg) = consumer.poll(Duration::from_millis(200)) {
                 let msg = msg.unwrap_or_else(|e| panic!("{e}"));
                 let t = tally::domain::Transition::from_json(msg.payload().unwrap_or_default())
@@ -184,7 +236,10 @@ impl TestEnv {
     /// The user's reaction row: (state, version), if any.
     pub async fn reaction(&self, user: &str, target: &str) -> Option<(String, i64)> {
         self.session
-            .query_unpaged("SELECT state, version FROM reactions WHERE user_id = ? AND target_id = ?", (user, target))
+            .query_unpaged(
+                "SELECT state, version FROM reactions WHERE user_id = ? AND target_id = ?",
+                (user, target),
+            )
             .await
             .unwrap_or_else(|e| panic!("{e}"))
             .into_rows_result()
@@ -209,8 +264,13 @@ impl TestEnv {
 }
 
 pub fn token(sub: &str) -> String {
-    tally::auth::mint(&tally::auth::AuthConfig::hs256(JWT_SECRET), sub, Duration::from_secs(3600), vec![])
-        .unwrap_or_else(|e| panic!("{e:#}"))
+    tally::auth::mint(
+        &tally::auth::AuthConfig::hs256(JWT_SECRET),
+        sub,
+        Duration::from_secs(3600),
+        vec![],
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// A response, read whole.
@@ -228,22 +288,39 @@ impl Reply {
 
     /// The error code of a JSON error body.
     pub fn code(&self) -> String {
-        self.json()["error"]["code"].as_str().unwrap_or_else(|| panic!("not an error body: {}", self.body)).to_owned()
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("not an error body: {}", self.body))
+            .to_owned()
     }
 }
 
 impl TestApp {
     pub async fn send(&self, req: reqwest::RequestBuilder) -> Reply {
-        let res = req.send().await.unwrap_or_else(|e| panic!("request failed: {e}"));
+        let res = req
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request failed: {e}"));
         let status = res.status().as_u16();
         let headers = res.headers().clone();
         let body = res.text().await.unwrap_or_else(|e| panic!("{e}"));
-        Reply { status, headers, body }
+        Reply {
+            status,
+            headers,
+            body,
+        }
     }
 
     /// POST /v1/votes as `user` with `key`.
-    pub async fn vote(&self, user: &str, key: impl AsRef<str>, target: &str, action: &str) -> Reply {
-        let body = serde_json::json!({"target_id": target, "target_type": "video", "action": action});
+    pub async fn vote(
+        &self,
+        user: &str,
+        key: impl AsRef<str>,
+        target: &str,
+        action: &str,
+    ) -> Reply {
+        let body =
+            serde_json::json!({"target_id": target, "target_type": "video", "action": action});
         self.send(
             self.client
                 .post(format!("{}/v1/votes", self.address))
@@ -255,8 +332,15 @@ impl TestApp {
     }
 
     pub async fn summary(&self, user: &str, ids: &str) -> Reply {
-        self.send(self.client.get(format!("{}/v1/votes/summary?target_ids={ids}", self.address)).bearer_auth(token(user)))
-            .await
+        self.send(
+            self.client
+                .get(format!(
+                    "{}/v1/votes/summary?target_ids={ids}",
+                    self.address
+                ))
+                .bearer_auth(token(user)),
+        )
+        .await
     }
 }
 
@@ -265,7 +349,10 @@ pub fn new_key() -> String {
 }
 
 /// Per target: likes, dislikes, and per user (version, state).
-pub type Tallies = std::collections::BTreeMap<String, (i64, i64, std::collections::BTreeMap<String, (i64, String)>)>;
+pub type Tallies = std::collections::BTreeMap<
+    String,
+    (i64, i64, std::collections::BTreeMap<String, (i64, String)>),
+>;
 
 /// A consumer running in-process.
 pub struct RunningConsumer {
@@ -276,7 +363,9 @@ pub struct RunningConsumer {
 
 impl RunningConsumer {
     pub fn processed(&self) -> u64 {
-        self.progress.processed.load(std::sync::atomic::Ordering::Relaxed)
+        self.progress
+            .processed
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Stops it the way SIGTERM does, and waits for it to leave the group.
@@ -313,20 +402,40 @@ impl TestEnv {
         let (stop, rx) = tokio::sync::watch::channel(false);
         let progress = std::sync::Arc::new(tally::consumer::Progress::default());
         let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
-        RunningConsumer { stop, progress, task }
+        RunningConsumer {
+            stop,
+            progress,
+            task,
+        }
     }
 
     /// Publishes raw bytes to the transitions topic, keyed like the API does.
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) {
         use rdkafka::producer::{FutureProducer, FutureRecord};
-        let producer: FutureProducer = self.kafka.client().create().unwrap_or_else(|e| panic!("{e}"));
+        let producer: FutureProducer = self
+            .kafka
+            .client()
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
         producer
-            .send(FutureRecord::to(&self.kafka.topic).key(key).payload(payload), Duration::from_secs(10))
+            .send(
+                FutureRecord::to(&self.kafka.topic)
+                    .key(key)
+                    .payload(payload),
+                Duration::from_secs(10),
+            )
             .await
             .unwrap_or_else(|(e, _)| panic!("{e}"));
     }
 
-    pub async fn publish_transition(&self, user: &str, target: &str, from: &str, to: &str, version: i64) {
+    pub async fn publish_transition(
+        &self,
+        user: &str,
+        target: &str,
+        from: &str,
+        to: &str,
+        version: i64,
+    ) {
         let t = serde_json::json!({
             "target_id": target, "target_type": "video", "user_id": user,
             "from": from, "to": to, "version": version, "occurred_at": "2026-11-29T00:00:00.000Z"
@@ -337,7 +446,14 @@ impl TestEnv {
     /// What `target_stats` holds.
     pub async fn stats(&self) -> Tallies {
         use futures::TryStreamExt;
-        type Row = (String, Option<String>, Option<i64>, Option<i64>, Option<i64>, Option<String>);
+        type Row = (
+            String,
+            Option<String>,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<String>,
+        );
         let rows: Vec<Row> = self
             .session
             .query_iter("SELECT target_id, user_id, likes, dislikes, applied_version, applied_state FROM target_stats", ())
@@ -366,7 +482,10 @@ impl TestEnv {
         use futures::TryStreamExt;
         let rows: Vec<(String, String, Option<String>, Option<i64>)> = self
             .session
-            .query_iter("SELECT user_id, target_id, state, version FROM reactions", ())
+            .query_iter(
+                "SELECT user_id, target_id, state, version FROM reactions",
+                (),
+            )
             .await
             .unwrap_or_else(|e| panic!("{e}"))
             .rows_stream::<(String, String, Option<String>, Option<i64>)>()
@@ -376,7 +495,9 @@ impl TestEnv {
             .unwrap_or_else(|e| panic!("{e}"));
         let mut out = Tallies::new();
         for (user, target, state, version) in rows {
-            let (Some(state), Some(version)) = (state, version) else { continue }; // an idempotency record
+            let (Some(state), Some(version)) = (state, version) else {
+                continue;
+            }; // an idempotency record
             let e = out.entry(target).or_default();
             match state.as_str() {
                 "like" => e.0 += 1,
@@ -397,7 +518,12 @@ impl TestEnv {
                 return;
             }
             if start.elapsed() > deadline {
-                let drifted: Vec<_> = truth.iter().filter(|(t, v)| stats.get(*t) != Some(*v)).map(|(t, v)| (t, v, stats.get(t))).take(5).collect();
+                let drifted: Vec<_> = truth
+                    .iter()
+                    .filter(|(t, v)| stats.get(*t) != Some(*v))
+                    .map(|(t, v)| (t, v, stats.get(t)))
+                    .take(5)
+                    .collect();
                 panic!("drift after {deadline:?}: (target, truth, stats) {drifted:?}");
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -410,7 +536,10 @@ pub struct Lcg(pub u64);
 
 impl Lcg {
     pub fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) % n
     }
 }
@@ -418,14 +547,30 @@ impl Lcg {
 impl TestApp {
     /// Casts `n` votes from `users` users over `targets` targets, `width` at a
     /// time, with actions drawn from `rng`. Returns how many were answered 200.
-    pub async fn random_votes(&self, rng: &mut Lcg, n: usize, users: u64, targets: u64, width: usize) -> usize {
+    pub async fn random_votes(
+        &self,
+        rng: &mut Lcg,
+        n: usize,
+        users: u64,
+        targets: u64,
+        width: usize,
+    ) -> usize {
         let actions = ["like", "dislike", "none"];
         let plan: Vec<(String, String, &str)> = (0..n)
-            .map(|_| (format!("u{}", rng.below(users)), format!("t{}", rng.below(targets)), actions[rng.below(3) as usize]))
+            .map(|_| {
+                (
+                    format!("u{}", rng.below(users)),
+                    format!("t{}", rng.below(targets)),
+                    actions[rng.below(3) as usize],
+                )
+            })
             .collect();
         let mut ok = 0;
         for chunk in plan.chunks(width) {
-            let replies = futures::future::join_all(chunk.iter().map(|(u, t, a)| self.vote(u, new_key(), t, a))).await;
+            let replies = futures::future::join_all(
+                chunk.iter().map(|(u, t, a)| self.vote(u, new_key(), t, a)),
+            )
+            .await;
             ok += replies.iter().filter(|r| r.status == 200).count();
         }
         ok
@@ -434,14 +579,19 @@ impl TestApp {
 
 impl TestEnv {
     pub async fn reconciler(&self) -> tally::reconcile::Reconciler {
-        let store = tally::store::Store::open(&self.cassandra, Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e:#}"));
+        let store = tally::store::Store::open(&self.cassandra, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
         let cache = tally::cache::Cache::new(&self.redis, Duration::from_secs(60)).ok();
         tally::reconcile::Reconciler::new(std::sync::Arc::new(store), cache)
     }
 
     /// Runs a CQL statement of the test's own (to damage data on purpose).
     pub async fn cql(&self, stmt: &str) {
-        self.session.query_unpaged(stmt, ()).await.unwrap_or_else(|e| panic!("{stmt}: {e}"));
+        self.session
+            .query_unpaged(stmt, ())
+            .await
+            .unwrap_or_else(|e| panic!("{stmt}: {e}"));
     }
 
     /// The `tally` binary with this test's keyspace, topics, group and prefix.
@@ -458,7 +608,14 @@ impl TestEnv {
     }
 
     /// Casts votes and runs a consumer until target_stats agrees with reactions.
-    pub async fn votes_counted(&self, app: &TestApp, rng: &mut Lcg, n: usize, users: u64, targets: u64) {
+    pub async fn votes_counted(
+        &self,
+        app: &TestApp,
+        rng: &mut Lcg,
+        n: usize,
+        users: u64,
+        targets: u64,
+    ) {
         assert_eq!(app.random_votes(rng, n, users, targets, 32).await, n);
         let consumer = self.start_consumer();
         self.wait_until_no_drift(Duration::from_secs(90)).await;
