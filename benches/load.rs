@@ -29,8 +29,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use support::{Percentiles, Zipf, bench_env, histogram, percentiles};
 use tally::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
+use tally::store::Cas;
 use tally::store::Store;
-use tally::store::reactions::{Cas, Change, KeyRecord};
+use tally::store::reactions::{Change, KeyRecord};
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use tally::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
+use tally::store::Cas;
 use tally::store::Store;
-use tally::store::reactions::{Cas, Change, KeyRecord};
+use tally::store::reactions::{Change, KeyRecord};
 
 fn id<T>(r: Result<T, tally::domain::IdError>) -> T {
     r.unwrap_or_else(|e| panic!("{e}"))

@@ -2,6 +2,7 @@
 # The local stack: Apache Cassandra 5.0, Apache Kafka 4 (KRaft) and Redis,
 # each bound to 127.0.0.1, run from a project-local folder with no Docker.
 #
+#   scripts/stack.sh install  install what is missing (Debian packages, the Cassandra and Kafka jars)
 #   scripts/stack.sh up       install what is missing, start what is not running, wait until each answers
 #   scripts/stack.sh down     stop only the processes this script started (by pid)
 #   scripts/stack.sh status   say what runs and whether it answers
@@ -128,101 +129,110 @@ spawn() {
     echo $! >"$RUN/$name.pid"
 }
 
-start_cassandra() {
-    if running cassandra CassandraDaemon; then
-        log "cassandra already running (pid $(pid_of cassandra))"
-    elif probe cql 127.0.0.1 9042; then
-        log "a CQL server not started by this script answers on 127.0.0.1:9042; using it"
-        return 0
-    else
-        fetch_libs cassandra
-        mkdir -p "$STACK/cassandra/data"
-        log "starting cassandra (heap $CASSANDRA_HEAP), log $LOGS/cassandra.log"
-        # JVM flags follow Cassandra's own conf/jvm17-server.options.
-        spawn cassandra "$JAVA_HOME/bin/java" \
-            -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
-            -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
-            -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
-            -XX:+ExitOnOutOfMemoryError -XX:+PerfDisableSharedMem -XX:+UseTLAB -XX:+ResizeTLAB \
-            -Djava.net.preferIPv4Stack=true -Djdk.attach.allowAttachSelf=true \
-            --add-exports java.base/jdk.internal.misc=ALL-UNNAMED \
-            --add-exports java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED \
-            --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED \
-            --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED \
-            --add-exports java.sql/java.sql=ALL-UNNAMED \
-            --add-exports java.base/java.lang.ref=ALL-UNNAMED \
-            --add-exports jdk.unsupported/sun.misc=ALL-UNNAMED \
-            --add-exports jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED \
-            --add-exports jdk.attach/sun.tools.attach=ALL-UNNAMED \
-            --add-opens java.base/java.lang.module=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.loader=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.ref=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.math=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.module=ALL-UNNAMED \
-            --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED \
-            --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED \
-            --add-opens java.base/sun.nio.ch=ALL-UNNAMED \
-            --add-opens java.base/java.io=ALL-UNNAMED \
-            --add-opens java.base/java.lang.reflect=ALL-UNNAMED \
-            --add-opens jdk.compiler/com.sun.tools.javac=ALL-UNNAMED \
-            --add-opens java.base/java.lang=ALL-UNNAMED \
-            --add-opens java.base/java.util=ALL-UNNAMED \
-            -Dio.netty.tryReflectionSetAccessible=true \
-            -Dio.netty.allocator.useCacheForAllThreads=true -Dio.netty.allocator.maxOrder=11 \
-            -Dcassandra.config="file://$CONF/cassandra/cassandra.yaml" \
-            -Dcassandra.storagedir="$STACK/cassandra/data" \
-            -Dcassandra.logdir="$LOGS" \
-            -Dlogback.configurationFile="$CONF/cassandra/logback.xml" \
-            -Dcassandra-foreground=yes \
-            -Dcassandra.skip_wait_for_gossip_to_settle=0 \
-            -Dcassandra.ring_delay_ms=100 \
-            -Dcassandra.superuser_setup_delay_ms=0 \
-            -cp "$STACK/lib/cassandra/*" org.apache.cassandra.service.CassandraDaemon
-    fi
-    wait_until "cassandra on 127.0.0.1:9042" cassandra cql 127.0.0.1 9042
+# The servers, one per line: name, the pattern its command line matches
+# (to tell our process from a reused pid), the protocol probe.py speaks to
+# it, and its port on 127.0.0.1. Every command below walks this table.
+SERVERS="
+redis     redis-server     redis  6379
+kafka     kafka.Kafka      kafka  9092
+cassandra CassandraDaemon  cql    9042
+"
+
+# Prints the table row of one server, or dies.
+server_row() {
+    local row
+    row=$(echo "$SERVERS" | awk -v n="$1" '$1 == n')
+    [ -n "$row" ] || die "no server named $1 (one of: $(echo "$SERVERS" | awk 'NF {print $1}' | xargs))"
+    echo "$row"
 }
 
-start_kafka() {
-    if running kafka kafka.Kafka; then
-        log "kafka already running (pid $(pid_of kafka))"
-    elif probe kafka 127.0.0.1 9092; then
-        log "a Kafka broker not started by this script answers on 127.0.0.1:9092; using it"
+# Starts one server unless it (or a foreign one on its port) already runs,
+# then waits until it answers its own protocol.
+start() {
+    local name pattern kind port
+    read -r name pattern kind port <<<"$(server_row "$1")"
+    if running "$name" "$pattern"; then
+        log "$name already running (pid $(pid_of "$name"))"
+    elif probe "$kind" 127.0.0.1 "$port"; then
+        log "a $name not started by this script answers on 127.0.0.1:$port; using it"
         return 0
     else
-        fetch_libs kafka
-        local data="$STACK/kafka/data" props="$STACK/kafka/server.properties"
-        mkdir -p "$data"
-        { cat "$CONF/kafka/server.properties"; echo "log.dirs=$data"; } >"$props"
-        local java=("$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*"
-            -Dlog4j2.configurationFile="$CONF/kafka/log4j2.xml" -Dkafka.logs.dir="$LOGS")
-        if [ ! -f "$data/meta.properties" ]; then
-            local cluster_id
-            cluster_id=$("${java[@]}" kafka.tools.StorageTool random-uuid 2>>"$LOGS/kafka-format.log")
-            "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" \
-                >>"$LOGS/kafka-format.log" 2>&1 || die "formatting kafka storage failed, see $LOGS/kafka-format.log"
-        fi
-        log "starting kafka (heap $KAFKA_HEAP), log $LOGS/kafka.log"
-        spawn kafka "${java[0]}" -Xms"$KAFKA_HEAP" -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
-            -Djava.awt.headless=true "${java[@]:1}" kafka.Kafka "$props"
+        "launch_$name"
     fi
-    wait_until "kafka on 127.0.0.1:9092" kafka kafka 127.0.0.1 9092
+    wait_until "$name on 127.0.0.1:$port" "$name" "$kind" 127.0.0.1 "$port"
 }
 
-start_redis() {
-    if running redis redis-server; then
-        log "redis already running (pid $(pid_of redis))"
-    elif probe redis 127.0.0.1 6379; then
-        log "a Redis not started by this script answers on 127.0.0.1:6379; using it"
-        return 0
-    else
-        mkdir -p "$STACK/redis"
-        log "starting redis, log $LOGS/redis.log"
-        # The cache is rebuilt from Cassandra, so no persistence is wanted.
-        spawn redis redis-server --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
-            --dir "$STACK/redis" --logfile "$LOGS/redis.log" --daemonize no
+launch_cassandra() {
+    fetch_libs cassandra
+    mkdir -p "$STACK/cassandra/data"
+    log "starting cassandra (heap $CASSANDRA_HEAP), log $LOGS/cassandra.log"
+    # JVM flags follow Cassandra's own conf/jvm17-server.options.
+    spawn cassandra "$JAVA_HOME/bin/java" \
+        -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
+        -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
+        -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
+        -XX:+ExitOnOutOfMemoryError -XX:+PerfDisableSharedMem -XX:+UseTLAB -XX:+ResizeTLAB \
+        -Djava.net.preferIPv4Stack=true -Djdk.attach.allowAttachSelf=true \
+        --add-exports java.base/jdk.internal.misc=ALL-UNNAMED \
+        --add-exports java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED \
+        --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED \
+        --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED \
+        --add-exports java.sql/java.sql=ALL-UNNAMED \
+        --add-exports java.base/java.lang.ref=ALL-UNNAMED \
+        --add-exports jdk.unsupported/sun.misc=ALL-UNNAMED \
+        --add-exports jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED \
+        --add-exports jdk.attach/sun.tools.attach=ALL-UNNAMED \
+        --add-opens java.base/java.lang.module=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.loader=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.ref=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.math=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.module=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED \
+        --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED \
+        --add-opens java.base/sun.nio.ch=ALL-UNNAMED \
+        --add-opens java.base/java.io=ALL-UNNAMED \
+        --add-opens java.base/java.lang.reflect=ALL-UNNAMED \
+        --add-opens jdk.compiler/com.sun.tools.javac=ALL-UNNAMED \
+        --add-opens java.base/java.lang=ALL-UNNAMED \
+        --add-opens java.base/java.util=ALL-UNNAMED \
+        -Dio.netty.tryReflectionSetAccessible=true \
+        -Dio.netty.allocator.useCacheForAllThreads=true -Dio.netty.allocator.maxOrder=11 \
+        -Dcassandra.config="file://$CONF/cassandra/cassandra.yaml" \
+        -Dcassandra.storagedir="$STACK/cassandra/data" \
+        -Dcassandra.logdir="$LOGS" \
+        -Dlogback.configurationFile="$CONF/cassandra/logback.xml" \
+        -Dcassandra-foreground=yes \
+        -Dcassandra.skip_wait_for_gossip_to_settle=0 \
+        -Dcassandra.ring_delay_ms=100 \
+        -Dcassandra.superuser_setup_delay_ms=0 \
+        -cp "$STACK/lib/cassandra/*" org.apache.cassandra.service.CassandraDaemon
+}
+
+launch_kafka() {
+    fetch_libs kafka
+    local data="$STACK/kafka/data" props="$STACK/kafka/server.properties"
+    mkdir -p "$data"
+    { cat "$CONF/kafka/server.properties"; echo "log.dirs=$data"; } >"$props"
+    local java=("$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*"
+        -Dlog4j2.configurationFile="$CONF/kafka/log4j2.xml" -Dkafka.logs.dir="$LOGS")
+    if [ ! -f "$data/meta.properties" ]; then
+        local cluster_id
+        cluster_id=$("${java[@]}" kafka.tools.StorageTool random-uuid 2>>"$LOGS/kafka-format.log")
+        "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" \
+            >>"$LOGS/kafka-format.log" 2>&1 || die "formatting kafka storage failed, see $LOGS/kafka-format.log"
     fi
-    wait_until "redis on 127.0.0.1:6379" redis redis 127.0.0.1 6379
+    log "starting kafka (heap $KAFKA_HEAP), log $LOGS/kafka.log"
+    spawn kafka "${java[0]}" -Xms"$KAFKA_HEAP" -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
+        -Djava.awt.headless=true "${java[@]:1}" kafka.Kafka "$props"
+}
+
+launch_redis() {
+    mkdir -p "$STACK/redis"
+    log "starting redis, log $LOGS/redis.log"
+    # The cache is rebuilt from Cassandra, so no persistence is wanted.
+    spawn redis redis-server --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+        --dir "$STACK/redis" --logfile "$LOGS/redis.log" --daemonize no
 }
 
 stop_one() {
@@ -252,41 +262,49 @@ status_one() {
     printf '%-10s %-32s %s\n' "$name" "$state" "$answers"
 }
 
+each_server() {
+    echo "$SERVERS" | awk 'NF {print $1}'
+}
+
 main() {
     mkdir -p "$LOGS" "$RUN"
+    local name pattern kind port
     case "${1:-}" in
+        install)
+            ensure_packages
+            fetch_libs cassandra
+            fetch_libs kafka
+            ;;
         up)
             ensure_packages
-            start_redis
-            start_kafka
-            start_cassandra
+            for name in $(each_server); do start "$name"; done
             log "stack is up: cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (logs in $LOGS)"
             ;;
         down)
-            stop_one cassandra CassandraDaemon
-            stop_one kafka kafka.Kafka
-            stop_one redis redis-server
+            for name in $(each_server | tac); do
+                read -r name pattern kind port <<<"$(server_row "$name")"
+                stop_one "$name" "$pattern"
+            done
             ;;
         status)
-            status_one cassandra CassandraDaemon cql 9042
-            status_one kafka kafka.Kafka kafka 9092
-            status_one redis redis-server redis 6379
+            for name in $(each_server | tac); do
+                read -r name pattern kind port <<<"$(server_row "$name")"
+                status_one "$name" "$pattern" "$kind" "$port"
+            done
             ;;
         restart)
+            [ -n "${2:-}" ] || { echo "usage: $0 restart $(each_server | paste -sd'|')" >&2; exit 2; }
+            read -r name pattern kind port <<<"$(server_row "$2")"
             ensure_packages
-            case "${2:-}" in
-                cassandra) stop_one cassandra CassandraDaemon; start_cassandra ;;
-                kafka) stop_one kafka kafka.Kafka; start_kafka ;;
-                redis) stop_one redis redis-server; start_redis ;;
-                *) echo "usage: $0 restart cassandra|kafka|redis" >&2; exit 2 ;;
-            esac
+            stop_one "$name" "$pattern"
+            start "$name"
             ;;
         logs)
             echo "$LOGS"
             ls -1 "$LOGS"
             ;;
         *)
-            echo "usage: $0 up|down|status|logs|restart SERVER" >&2
+            echo "usage: $0 install|up|down|status|logs|restart SERVER" >&2
             exit 2
             ;;
     esac

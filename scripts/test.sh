@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs every test: unit and property tests, then the integration tests
-# against the real local stack (started here if it is not running), and
-# checks that the benches still compile.
+# Runs every test. First what needs no server and fails fast: formatting,
+# clippy with warnings denied, and the tidy test (the architecture's
+# invariants). Then unit and property tests and the integration tests against
+# the real local stack (started here if it is not running), and a check that
+# the benches still compile.
 #
 #   scripts/test.sh [extra cargo test args]
 set -euo pipefail
@@ -11,6 +13,15 @@ cd "$ROOT"
 # A target directory outside the clone, so a fresh clone (CI) reuses builds.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tally-target}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+echo "[test] cargo fmt --check"
+cargo fmt --check
+# rdkafka builds librdkafka with cmake: the build tools come with the stack's packages.
+scripts/stack.sh install
+echo "[test] cargo clippy --all-targets -- -D warnings"
+cargo clippy --locked --all-targets -- -D warnings
+echo "[test] tidy (the invariants in ARCHITECTURE.md)"
+cargo test --locked --test tidy
 
 scripts/stack.sh up
 

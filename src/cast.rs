@@ -15,10 +15,10 @@ use uuid::Uuid;
 use crate::bus::publisher::Publisher;
 use crate::counts::Counts;
 use crate::domain::{
-    Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId, now_rfc3339,
+    Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId,
 };
-use crate::store::Store;
-use crate::store::reactions::{Cas, Change, KeyRecord};
+use crate::store::reactions::{Change, KeyRecord};
+use crate::store::{Cas, Store, StoreError};
 
 /// One parsed vote.
 #[derive(Debug, Clone)]
@@ -57,14 +57,19 @@ struct Body<'a> {
     user_state: Reaction,
 }
 
-fn body(target: &TargetId, totals: Totals, state: Reaction) -> String {
+/// Now, as the RFC 3339 string transitions carry.
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+}
+
+fn body(target: &TargetId, totals: Totals, state: Reaction) -> Result<String, CastError> {
     let b = Body {
         target_id: target.as_str(),
         likes: totals.likes,
         dislikes: totals.dislikes,
         user_state: state,
     };
-    serde_json::to_string(&b).unwrap_or_default()
+    serde_json::to_string(&b).map_err(|e| CastError::Unexpected(e.into()))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,8 +78,10 @@ pub enum CastError {
     KeyReused,
     #[error("too many concurrent changes to this user's reactions; retry")]
     Contention,
-    #[error("{0:#}")]
-    Unavailable(anyhow::Error),
+    #[error("Cassandra failed before the vote was known to commit")]
+    Store(#[from] StoreError),
+    #[error("the vote could not be cast")]
+    Unexpected(#[source] anyhow::Error),
 }
 
 #[derive(Debug, Clone)]
@@ -142,15 +149,14 @@ impl Caster {
                 .store
                 .reactions
                 .snapshot(user, &vote.target_id, key, serial)
-                .await
-                .map_err(|e| CastError::Unavailable(e.into()))?;
+                .await?;
 
             if let Some(record) = snap.record {
                 if record.owner == owner {
                     // Our own write, whose outcome was unknown, did apply.
                     return match attempt {
                         Some(a) => Ok(self.after_commit(a, user, request_id).await),
-                        None => Err(CastError::Unavailable(anyhow::anyhow!(
+                        None => Err(CastError::Unexpected(anyhow::anyhow!(
                             "lost track of an applied write"
                         ))),
                     };
@@ -169,11 +175,7 @@ impl Caster {
             }
 
             let from = snap.current.map_or(Reaction::None, |c| c.state);
-            let before = self
-                .counts
-                .get(&vote.target_id)
-                .await
-                .map_err(|e| CastError::Unavailable(e.into()))?;
+            let before = self.counts.get(&vote.target_id).await?;
             let delta = Delta::between(from, vote.action);
             let version = snap.current.map_or(1, |c| c.version + 1);
             let a = Attempt {
@@ -189,7 +191,7 @@ impl Caster {
                     };
                     (t, delta)
                 }),
-                body: body(&vote.target_id, before.apply(delta), vote.action),
+                body: body(&vote.target_id, before.apply(delta), vote.action)?,
             };
             let record = KeyRecord {
                 request_hash: hash.clone(),
@@ -203,8 +205,7 @@ impl Caster {
                 self.store
                     .targets
                     .register(&vote.target_id, vote.target_type)
-                    .await
-                    .map_err(|e| CastError::Unavailable(e.into()))?;
+                    .await?;
             }
             let outcome = if a.transition.is_some() {
                 let change = Change {
@@ -231,7 +232,7 @@ impl Caster {
                 Cas::Unknown(e) => {
                     tracing::warn!(user = %user, target_id = %vote.target_id, error = %e, "conditional write outcome unknown; reading at SERIAL");
                 }
-                Cas::Failed(e) => return Err(CastError::Unavailable(e)),
+                Cas::Failed(e) => return Err(StoreError::Request(e).into()),
             }
             attempt = Some(a);
             serial = true;

@@ -8,7 +8,7 @@ use futures::future::try_join_all;
 use crate::cache::Cache;
 use crate::domain::{Delta, TargetId, Totals};
 use crate::store::Store;
-use crate::store::reactions::Unavailable;
+use crate::store::StoreError;
 
 #[derive(Clone)]
 pub struct Counts {
@@ -24,7 +24,7 @@ impl Counts {
     /// Totals for many targets: one Redis round trip, then one durable read
     /// per miss, in parallel (one partition each, never a multi-partition IN).
     /// With Redis down every target is read from Cassandra.
-    pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, Unavailable> {
+    pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, StoreError> {
         let cached = match self.cache.get_many(targets).await {
             Ok(c) => {
                 let hits = c.iter().filter(|h| h.is_some()).count() as u64;
@@ -56,7 +56,7 @@ impl Counts {
         try_join_all(fills).await
     }
 
-    pub async fn get(&self, target: &TargetId) -> Result<Totals, Unavailable> {
+    pub async fn get(&self, target: &TargetId) -> Result<Totals, StoreError> {
         let mut all = self.get_many(std::slice::from_ref(target)).await?;
         Ok(all.pop().unwrap_or_default())
     }

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod consumer;
 pub mod counts;
 pub mod domain;
+pub mod fence;
 pub mod metrics;
 pub mod ops;
 pub mod reconcile;

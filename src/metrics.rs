@@ -124,8 +124,8 @@ fn describe() {
 }
 
 /// Counts a conditional write's outcome.
-pub fn cas(statement: &'static str, outcome: &crate::store::reactions::Cas) {
-    use crate::store::reactions::Cas;
+pub fn cas(statement: &'static str, outcome: &crate::store::Cas) {
+    use crate::store::Cas;
     let outcome = match outcome {
         Cas::Applied => "applied",
         Cas::NotApplied => "not_applied",

@@ -9,10 +9,9 @@ use std::time::Duration;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use anyhow::Context;
 use metrics_exporter_prometheus::PrometheusHandle;
-use rdkafka::producer::FutureProducer;
 use serde_json::json;
 
-use crate::bus::KafkaConfig;
+use crate::bus::{self, KafkaConfig};
 use crate::cache::Cache;
 use crate::store::Store;
 
@@ -20,8 +19,7 @@ use crate::store::Store;
 #[derive(Clone)]
 pub struct Readiness {
     store: Arc<Store>,
-    kafka: FutureProducer,
-    topic: String,
+    kafka: bus::Probe,
     cache: Cache,
 }
 
@@ -29,14 +27,9 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Readiness {
     pub fn new(store: Arc<Store>, kafka: &KafkaConfig, cache: Cache) -> anyhow::Result<Readiness> {
-        let producer = kafka
-            .client()
-            .create()
-            .context("Failed to create the Kafka readiness client")?;
         Ok(Readiness {
             store,
-            kafka: producer,
-            topic: kafka.topic.clone(),
+            kafka: bus::Probe::new(kafka)?,
             cache,
         })
     }
@@ -51,21 +44,11 @@ impl Readiness {
             }
         };
         let kafka = async {
-            let (producer, topic) = (self.kafka.clone(), self.topic.clone());
-            let r = tokio::task::spawn_blocking(move || {
-                use rdkafka::producer::Producer;
-                producer
-                    .client()
-                    .fetch_metadata(Some(&topic), CHECK_TIMEOUT)
-                    .map(|m| m.topics().len())
-            })
-            .await;
-            match r {
-                Ok(Ok(n)) if n > 0 => None,
-                Ok(Ok(_)) => Some(("kafka", "topic not found".into())),
-                Ok(Err(e)) => Some(("kafka", e.to_string())),
-                Err(e) => Some(("kafka", e.to_string())),
-            }
+            self.kafka
+                .check(CHECK_TIMEOUT)
+                .await
+                .err()
+                .map(|e| ("kafka", format!("{e:#}")))
         };
         let redis = async {
             match tokio::time::timeout(CHECK_TIMEOUT, self.cache.ping()).await {

@@ -18,10 +18,10 @@ use tokio::sync::watch;
 
 use crate::cache::Cache;
 use crate::domain::{Ledger, TargetId, Totals, UserId};
-use crate::store::Store;
-use crate::store::reactions::{Cas, Unavailable};
-use crate::store::stats::MAX_USERS_PER_WRITE;
+use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
+use crate::store::reactions::Current;
 use crate::store::targets::Checkpoint;
+use crate::store::{Store, StoreError};
 
 /// Fence conflicts tolerated for one target before giving up on it for now.
 const MAX_ROUNDS: u32 = 20;
@@ -44,7 +44,7 @@ pub struct Report {
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     #[error(transparent)]
-    Unavailable(#[from] Unavailable),
+    Store(#[from] StoreError),
     #[error("target {0}: the fence kept moving; try again")]
     Contention(String),
 }
@@ -61,90 +61,48 @@ impl Reconciler {
     }
 
     pub async fn target(&self, target: &TargetId, dry_run: bool) -> Result<Report, ReconcileError> {
-        let mut serial = false;
-        'round: for _ in 0..MAX_ROUNDS {
-            // Stats first, then the truth: an applied version can then never
-            // be ahead of the row it came from.
-            let read = self.store.stats.read(target, None, serial).await?;
-            let truth: HashMap<UserId, _> = self
-                .store
-                .reactions
-                .by_target(target)
-                .await?
-                .into_iter()
-                .collect();
-            serial = true;
-
-            let before = read.ledger.totals;
-            let base = read.ledger.applied;
-            let mut plan = Ledger::new(Totals::count(base.values().map(|a| a.state)), base.clone());
-            let totals_damaged = plan.totals != before;
-            for (user, row) in &truth {
-                plan.apply(user, row.version, None, row.state);
+        let mut recount = Recount {
+            store: &self.store,
+            dry_run,
+            report: None,
+        };
+        let done = fence::write(
+            &self.store.stats,
+            target,
+            Scope::Everyone,
+            Some(MAX_ROUNDS),
+            &mut recount,
+        )
+        .await?;
+        let report = match (done.ending, recount.report) {
+            (Ending::Contended, _) | (_, None) => {
+                return Err(ReconcileError::Contention(target.to_string()));
             }
-            let behind: Vec<&UserId> = plan.changed.iter().collect();
-            if !totals_damaged && behind.is_empty() {
-                metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
+            (_, Some(mut report)) => {
+                report.repaired = report.drifted && !dry_run;
+                report
             }
-            let mut report = Report {
-                target_id: target.to_string(),
-                drifted: totals_damaged || !behind.is_empty(),
-                totals_before: before,
-                totals_after: plan.totals,
-                users_behind: behind.len(),
-                repaired: false,
-            };
-            if report.drifted {
-                metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
-                metrics::counter!(crate::metrics::DRIFT_FOUND).increment(1);
-            }
-            if !report.drifted || dry_run {
-                if report.drifted {
-                    tracing::warn!(target_id = %target, ?before, after = ?plan.totals, users_behind = behind.len(), "drift found (dry run: not repaired)");
-                }
-                return Ok(report);
-            }
-
-            // Written in chunks, each self-consistent: its totals are the
-            // recounted base plus exactly the users written so far.
-            let mut ledger = Ledger::new(Totals::count(base.values().map(|a| a.state)), base);
-            let mut seq = read.seq;
-            let chunks: Vec<&[&UserId]> = if behind.is_empty() {
-                vec![&[]]
-            } else {
-                behind.chunks(MAX_USERS_PER_WRITE).collect()
-            };
-            for chunk in chunks {
-                for user in chunk {
-                    if let Some(row) = truth.get(*user) {
-                        ledger.apply(user, row.version, None, row.state);
-                    }
-                }
-                match self
-                    .store
-                    .stats
-                    .write(target, None, seq, &ledger, chunk)
-                    .await
-                {
-                    Cas::Applied => seq = Some(seq.unwrap_or(0) + 1),
-                    Cas::NotApplied | Cas::Unknown(_) => continue 'round,
-                    Cas::Failed(e) => return Err(Unavailable(e).into()),
-                }
-            }
-            report.repaired = true;
-            metrics::counter!(crate::metrics::DRIFT_REPAIRED).increment(1);
-            if let Some(cache) = &self.cache {
-                if let Err(e) = cache.invalidate(target).await {
-                    tracing::warn!(target_id = %target, error = %e, "cached totals not dropped; they expire with their TTL");
-                }
-            }
-            tracing::warn!(
-                target_id = %target, ?before, after = ?report.totals_after, users_behind = report.users_behind,
-                "drift found and repaired"
-            );
+        };
+        metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
+        if !report.drifted {
             return Ok(report);
         }
-        Err(ReconcileError::Contention(target.to_string()))
+        metrics::counter!(crate::metrics::DRIFT_FOUND).increment(1);
+        if dry_run {
+            tracing::warn!(target_id = %target, before = %report.totals_before, after = %report.totals_after, users_behind = report.users_behind, "drift found (dry run: not repaired)");
+            return Ok(report);
+        }
+        metrics::counter!(crate::metrics::DRIFT_REPAIRED).increment(1);
+        if let Some(cache) = &self.cache {
+            if let Err(e) = cache.invalidate(target).await {
+                tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "cached totals not dropped; they expire with their TTL");
+            }
+        }
+        tracing::warn!(
+            target_id = %target, before = %report.totals_before, after = %report.totals_after,
+            users_behind = report.users_behind, "drift found and repaired"
+        );
+        Ok(report)
     }
 
     /// Sweeps every target in the registry, in token order, at most `rate`
@@ -206,6 +164,67 @@ impl Reconciler {
             }
             targets.save_checkpoint(&options.name, &cp).await?;
         }
+    }
+}
+
+/// Folds the per-user rows of `reactions` into each round's read of
+/// `target_stats`. The rows are read inside the round, after the stats: an
+/// applied version can then never be ahead of the row it is compared with.
+struct Recount<'a> {
+    store: &'a Store,
+    dry_run: bool,
+    /// What the first round found; later rounds only finish its repair.
+    report: Option<Report>,
+}
+
+impl Fold for Recount<'_> {
+    async fn fold(&mut self, target: &TargetId, read: Read) -> Result<Step, StoreError> {
+        let truth: HashMap<UserId, Current> = self
+            .store
+            .reactions
+            .by_target(target)
+            .await?
+            .into_iter()
+            .collect();
+        let before = read.head.totals;
+        let base = read.applied;
+        // Damaged totals are replaced by the sum of the applied states.
+        let recounted = Totals::count(base.values().map(|a| a.state));
+        let mut plan = Ledger::new(recounted, base.clone());
+        for (user, row) in &truth {
+            plan.apply_row(user, row.version, row.state);
+        }
+        let behind: Vec<&UserId> = plan.changed.iter().collect();
+        let drifted = recounted != before || !behind.is_empty();
+        let first = self.report.get_or_insert_with(|| Report {
+            target_id: target.to_string(),
+            drifted,
+            totals_before: before,
+            totals_after: plan.totals,
+            users_behind: behind.len(),
+            repaired: false,
+        });
+        // A later round (after a lost fence, or the next chunk) reports what
+        // the first one found, and what the whole repair ends at.
+        first.totals_after = plan.totals;
+        if !drifted || self.dry_run {
+            return Ok(Step::Settled);
+        }
+        // One chunk per round, each self-consistent: its totals are the
+        // recounted base plus exactly the users it writes.
+        let chunk = &behind[..behind.len().min(MAX_USERS_PER_WRITE)];
+        let mut ledger = Ledger::new(recounted, base);
+        for user in chunk {
+            if let Some(row) = truth.get(*user) {
+                ledger.apply_row(user, row.version, row.state);
+            }
+        }
+        Ok(Step::Write {
+            totals: ledger.totals,
+            target_type: read.head.target_type,
+            users: ledger.changed_rows(),
+            more: behind.len() > chunk.len(),
+        })
     }
 }
 

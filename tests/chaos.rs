@@ -408,7 +408,7 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         || async {
             let lag = tokio::task::spawn_blocking({
                 let (k, g) = (env.kafka.clone(), env.group.clone());
-                move || tally::consumer::lag::group_lag(&k, &g)
+                move || tally::bus::lag::group_lag(&k, &g)
             })
             .await
             .ok()?

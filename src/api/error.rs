@@ -70,10 +70,16 @@ impl From<CastError> for ApiError {
         match e {
             CastError::KeyReused => ApiError::KeyReused,
             CastError::Contention => ApiError::Contention,
-            CastError::Unavailable(e) => ApiError::Unavailable(e),
+            CastError::Store(e) => ApiError::Unavailable(e.into()),
+            CastError::Unexpected(e) => ApiError::Unavailable(e),
         }
     }
 }
+
+/// The code of the error a response carries, for the middleware that
+/// labels latency by outcome.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCode(pub &'static str);
 
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
@@ -123,6 +129,9 @@ impl ResponseError for ApiError {
             }
             _ => {}
         }
-        res.json(json!({ "error": { "code": self.code(), "message": self.to_string() } }))
+        let mut res =
+            res.json(json!({ "error": { "code": self.code(), "message": self.to_string() } }));
+        res.extensions_mut().insert(ErrorCode(self.code()));
+        res
     }
 }

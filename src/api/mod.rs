@@ -2,6 +2,7 @@
 //! `cast` or `counts`, and map errors to HTTP in `error`.
 
 pub mod admin;
+mod caller;
 pub mod error;
 pub mod limit;
 pub mod summary;
@@ -86,7 +87,6 @@ pub struct ApiConfig {
 }
 
 pub struct AppState {
-    pub verifier: Verifier,
     pub caster: Caster,
     pub counts: Counts,
     pub store: Arc<Store>,
@@ -112,7 +112,7 @@ impl Application {
     /// Connects to every dependency, prepares every statement and binds the
     /// listener; the server runs once `run_until_stopped` is awaited.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
-        let verifier = Verifier::from_config(&config.auth)?;
+        let verifier = web::Data::new(Verifier::from_config(&config.auth)?);
         let store = Arc::new(Store::open(&config.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.redis, config.cache_ttl.min)?;
         let counts = Counts::new(cache.clone(), store.clone());
@@ -130,7 +130,6 @@ impl Application {
         let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
         let in_flight = tokio::sync::Semaphore::new(config.max_in_flight.max(1));
         let state = web::Data::new(AppState {
-            verifier,
             caster,
             counts,
             store,
@@ -139,9 +138,8 @@ impl Application {
             in_flight,
         });
 
-        tokio::spawn(follow_consumer_lag(
+        tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
             cache,
-            config.cache_ttl.clone(),
             config.kafka.clone(),
             config.consumer_group.clone(),
         ));
@@ -152,9 +150,10 @@ impl Application {
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(state.clone())
+                .app_data(verifier.clone())
                 .app_data(readiness.clone())
                 .app_data(metrics.clone())
-                .wrap(from_fn(request_id))
+                .wrap(from_fn(observe))
                 .service(
                     web::resource("/v1/votes")
                         .route(web::post().to(votes::cast))
@@ -213,7 +212,10 @@ async fn openapi() -> HttpResponse {
         .body(OPENAPI)
 }
 
-async fn request_id(
+/// Around every request: its id (echoed back, on every log line of the
+/// request, carried into Kafka), its access log line, its status count, and
+/// for the two API endpoints, its latency labelled by outcome.
+async fn observe(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
@@ -224,51 +226,35 @@ async fn request_id(
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_owned);
     req.extensions_mut().insert(RequestId(id.clone()));
+    let latency = match (req.method().as_str(), req.path()) {
+        ("POST", "/v1/votes") => Some(crate::metrics::VOTE_WRITE_SECONDS),
+        ("GET", "/v1/votes/summary") => Some(crate::metrics::VOTE_READ_SECONDS),
+        _ => None,
+    };
     let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
     let started = std::time::Instant::now();
     let mut res = next.call(req).instrument(span.clone()).await?;
+    let elapsed = started.elapsed();
+    if let Some(name) = latency {
+        let outcome = match res.response().extensions().get::<error::ErrorCode>() {
+            Some(code) => code.0,
+            None if res.headers().contains_key(votes::REPLAYED) => "replayed",
+            None => "ok",
+        };
+        metrics::histogram!(name, "outcome" => outcome).record(elapsed.as_secs_f64());
+    }
     span.in_scope(|| {
         tracing::info!(
             status = res.status().as_u16(),
-            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+            elapsed_ms = elapsed.as_secs_f64() * 1000.0,
             "answered"
         );
     });
-    metrics::counter!(crate::metrics::HTTP_RESPONSES, "status" => res.status().as_u16().to_string()).increment(1);
+    metrics::counter!(crate::metrics::HTTP_RESPONSES, "status" => res.status().as_u16().to_string())
+        .increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
         res.headers_mut()
             .insert(HeaderName::from_static(REQUEST_ID), v);
     }
     Ok(res)
-}
-
-/// Measures the consumer group's lag from outside (it keeps rising while
-/// every consumer is down), exports it, and keeps the cache TTL longer than
-/// it: an entry must not expire, and be refilled from durable totals, while
-/// those are still behind.
-async fn follow_consumer_lag(cache: Cache, policy: TtlPolicy, kafka: KafkaConfig, group: String) {
-    let mut tick = tokio::time::interval(crate::consumer::lag::INTERVAL);
-    loop {
-        tick.tick().await;
-        let (k, g) = (kafka.clone(), group.clone());
-        match tokio::task::spawn_blocking(move || crate::consumer::lag::group_lag(&k, &g)).await {
-            Ok(Ok(lags)) => {
-                for l in &lags {
-                    let p = l.partition.to_string();
-                    metrics::gauge!(crate::metrics::GROUP_LAG_MESSAGES, "partition" => p.clone())
-                        .set(l.messages as f64);
-                    metrics::gauge!(crate::metrics::GROUP_LAG_SECONDS, "partition" => p)
-                        .set(l.seconds);
-                }
-                let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
-                tracing::debug!(?lags, "consumer group lag");
-                cache.set_ttl(policy.ttl_for_lag(worst));
-            }
-            Ok(Err(e)) => tracing::debug!(
-                error = format!("{e:#}"),
-                "consumer lag unknown; keeping the cache TTL"
-            ),
-            Err(e) => tracing::debug!(error = %e, "lag task failed"),
-        }
-    }
 }

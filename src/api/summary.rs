@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use actix_web::http::header;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Serialize;
 
 use super::AppState;
 use super::error::ApiError;
+use crate::auth::Caller;
 use crate::domain::{Reaction, TargetId};
 
 pub const MAX_IDS: usize = 100;
@@ -26,29 +26,10 @@ struct Summary {
 }
 
 pub async fn summary(
+    caller: Caller,
     req: HttpRequest,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let started = std::time::Instant::now();
-    let result = summary_inner(req, state).await;
-    let outcome = match &result {
-        Ok(_) => "ok",
-        Err(e) => e.code(),
-    };
-    metrics::histogram!(crate::metrics::VOTE_READ_SECONDS, "outcome" => outcome)
-        .record(started.elapsed().as_secs_f64());
-    result
-}
-
-async fn summary_inner(
-    req: HttpRequest,
-    state: web::Data<AppState>,
-) -> Result<HttpResponse, ApiError> {
-    let auth = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let caller = state.verifier.verify_header(auth)?;
     let targets = parse_target_ids(req.query_string())?;
 
     let (totals, states) = futures::try_join!(

@@ -1,5 +1,6 @@
 //! `POST /v1/votes`: set the caller's reaction to one target.
 
+use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderMap};
 use actix_web::{HttpRequest, HttpResponse, web};
 use futures::StreamExt;
@@ -7,6 +8,7 @@ use serde::Deserialize;
 
 use super::error::ApiError;
 use super::{AppState, RequestId};
+use crate::auth::Caller;
 use crate::cast::Vote;
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType};
 
@@ -24,32 +26,12 @@ struct VoteBody {
 }
 
 pub async fn cast(
+    caller: Caller,
     req: HttpRequest,
     state: web::Data<AppState>,
     payload: web::Payload,
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
-    let started = std::time::Instant::now();
-    let result = cast_inner(req, state, payload, request_id).await;
-    let outcome = match &result {
-        Ok(res) if res.headers().contains_key("Idempotent-Replayed") => "replayed",
-        Ok(_) => "ok",
-        Err(e) => e.code(),
-    };
-    metrics::histogram!(crate::metrics::VOTE_WRITE_SECONDS, "outcome" => outcome)
-        .record(started.elapsed().as_secs_f64());
-    result
-}
-
-async fn cast_inner(
-    req: HttpRequest,
-    state: web::Data<AppState>,
-    payload: web::Payload,
-    request_id: web::ReqData<RequestId>,
-) -> Result<HttpResponse, ApiError> {
-    let caller = state
-        .verifier
-        .verify_header(header_str(req.headers(), header::AUTHORIZATION))?;
     state
         .limiter
         .check(&caller.user)
@@ -64,16 +46,19 @@ async fn cast_inner(
         .caster
         .cast(&caller.user, &key, &vote, &request_id.0)
         .await?;
-    let mut res = HttpResponse::build(
-        actix_web::http::StatusCode::from_u16(answer.status)
-            .unwrap_or(actix_web::http::StatusCode::OK),
-    );
+    let status = StatusCode::from_u16(answer.status).map_err(|e| {
+        ApiError::Unavailable(anyhow::Error::new(e).context("a stored answer has a bad status"))
+    })?;
+    let mut res = HttpResponse::build(status);
     res.content_type("application/json");
     if answer.replayed {
-        res.insert_header(("Idempotent-Replayed", "true"));
+        res.insert_header((REPLAYED, "true"));
     }
     Ok(res.body(answer.body))
 }
+
+/// Marks an answer given again for a repeated Idempotency-Key.
+pub const REPLAYED: &str = "Idempotent-Replayed";
 
 fn header_str(headers: &HeaderMap, name: header::HeaderName) -> Option<&str> {
     headers.get(name).and_then(|v| v.to_str().ok())

@@ -44,7 +44,9 @@ impl Publisher {
 
     /// Sends one transition and waits for its delivery report.
     pub async fn publish(&self, transition: &Transition, request_id: &str) -> anyhow::Result<()> {
-        let payload = transition.to_json();
+        let payload = transition
+            .to_json()
+            .context("Failed to encode the transition")?;
         let headers = OwnedHeaders::new().insert(Header {
             key: REQUEST_ID_HEADER,
             value: Some(request_id),

@@ -1,7 +1,16 @@
 //! The only code that speaks Redis: the per-target count cache.
 
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
 use anyhow::Context;
 use deadpool_redis::{Config, Pool, Runtime};
+use redis::Script;
+
+use crate::bus::{KafkaConfig, lag};
+use crate::domain::{Delta, TargetId, Totals};
 
 /// Where Redis is.
 #[derive(clap::Args, Debug, Clone)]
@@ -21,6 +30,11 @@ pub struct RedisConfig {
         default_value = "tally"
     )]
     pub prefix: String,
+
+    /// Longest one cache operation may take, waiting for a connection
+    /// included. A Redis that hangs costs a vote or a read this long, no more.
+    #[arg(long = "redis-timeout", env = "TALLY_REDIS_TIMEOUT", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
 }
 
 impl RedisConfig {
@@ -28,6 +42,7 @@ impl RedisConfig {
         RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             prefix: prefix.into(),
+            timeout: Duration::from_millis(500),
         }
     }
 }
@@ -38,28 +53,14 @@ pub fn pool(config: &RedisConfig) -> anyhow::Result<Pool> {
         .with_context(|| format!("Bad Redis URL {}", config.url))
 }
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-
-use redis::Script;
-
-use crate::domain::{Delta, TargetId, Totals};
-
 #[derive(Debug, thiserror::Error)]
-#[error("Redis is unavailable: {0}")]
-pub struct CacheError(String);
-
-impl From<redis::RedisError> for CacheError {
-    fn from(e: redis::RedisError) -> Self {
-        CacheError(e.to_string())
-    }
-}
-
-impl From<deadpool_redis::PoolError> for CacheError {
-    fn from(e: deadpool_redis::PoolError) -> Self {
-        CacheError(e.to_string())
-    }
+pub enum CacheError {
+    #[error("no Redis connection")]
+    Pool(#[from] deadpool_redis::PoolError),
+    #[error("Redis refused the command")]
+    Redis(#[from] redis::RedisError),
+    #[error("Redis did not answer within {0:?}")]
+    Timeout(Duration),
 }
 
 /// Moves an existing entry by a delta; an absent entry stays absent, so a
@@ -98,6 +99,7 @@ pub struct Cache {
     apply: Arc<Script>,
     fill_then_apply: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
+    timeout: Duration,
 }
 
 impl Cache {
@@ -108,6 +110,7 @@ impl Cache {
             apply: Arc::new(Script::new(APPLY)),
             fill_then_apply: Arc::new(Script::new(FILL_THEN_APPLY)),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
+            timeout: config.timeout,
         })
     }
 
@@ -127,14 +130,26 @@ impl Cache {
         Ok(self.pool.get().await?)
     }
 
+    /// Bounds one operation, waiting for a connection included: a Redis that
+    /// accepts connections but never answers must not hold a vote or a read.
+    async fn within<T>(
+        &self,
+        op: impl Future<Output = Result<T, CacheError>>,
+    ) -> Result<T, CacheError> {
+        tokio::time::timeout(self.timeout, op)
+            .await
+            .map_err(|_| CacheError::Timeout(self.timeout))?
+    }
+
     /// Cached totals for many targets in one round trip; `None` is a miss.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
         let mut pipe = redis::pipe();
         for t in targets {
             pipe.cmd("HMGET").arg(self.key(t)).arg("l").arg("d");
         }
-        let rows: Vec<(Option<i64>, Option<i64>)> =
-            pipe.query_async(&mut self.conn().await?).await?;
+        let rows: Vec<(Option<i64>, Option<i64>)> = self
+            .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
+            .await?;
         Ok(rows
             .into_iter()
             .map(|row| match row {
@@ -151,12 +166,10 @@ impl Cache {
         target: &TargetId,
         delta: Delta,
     ) -> Result<Option<Totals>, CacheError> {
+        let mut call = self.apply.key(self.key(target));
+        call.arg(delta.likes).arg(delta.dislikes);
         let r: Option<(i64, i64)> = self
-            .apply
-            .key(self.key(target))
-            .arg(delta.likes)
-            .arg(delta.dislikes)
-            .invoke_async(&mut self.conn().await?)
+            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
         Ok(r.map(|(likes, dislikes)| Totals { likes, dislikes }))
     }
@@ -168,31 +181,29 @@ impl Cache {
         durable: Totals,
         delta: Delta,
     ) -> Result<Totals, CacheError> {
-        let (likes, dislikes): (i64, i64) = self
-            .fill_then_apply
-            .key(self.key(target))
-            .arg(durable.likes)
+        let mut call = self.fill_then_apply.key(self.key(target));
+        call.arg(durable.likes)
             .arg(durable.dislikes)
             .arg(self.ttl().as_secs())
             .arg(delta.likes)
-            .arg(delta.dislikes)
-            .invoke_async(&mut self.conn().await?)
+            .arg(delta.dislikes);
+        let (likes, dislikes): (i64, i64) = self
+            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
         Ok(Totals { likes, dislikes })
     }
 
     /// Drops a target's entry, so the next read refills it from the durable totals.
     pub async fn invalidate(&self, target: &TargetId) -> Result<(), CacheError> {
-        let () = redis::cmd("DEL")
-            .arg(self.key(target))
-            .query_async(&mut self.conn().await?)
-            .await?;
-        Ok(())
+        let del = redis::cmd("DEL").arg(self.key(target)).to_owned();
+        self.within(async { Ok(del.query_async(&mut self.conn().await?).await?) })
+            .await
     }
 
     pub async fn ping(&self) -> Result<(), CacheError> {
-        let _: String = redis::cmd("PING")
-            .query_async(&mut self.conn().await?)
+        let ping = redis::cmd("PING");
+        let _: String = self
+            .within(async { Ok(ping.query_async(&mut self.conn().await?).await?) })
             .await?;
         Ok(())
     }
@@ -216,6 +227,38 @@ impl TtlPolicy {
     pub fn ttl_for_lag(&self, lag_seconds: f64) -> Duration {
         let wanted = Duration::from_secs_f64((lag_seconds.max(0.0) * 2.0 + 10.0).min(1e9));
         wanted.clamp(self.min, self.max.max(self.min))
+    }
+
+    /// Measures the consumer group's lag from outside (it keeps rising while
+    /// every consumer is down), exports it, and keeps the cache TTL longer
+    /// than it: an entry must not expire, and be refilled from durable
+    /// totals, while those are still behind. Runs for as long as the API.
+    pub async fn follow_consumer_lag(self, cache: Cache, kafka: KafkaConfig, group: String) {
+        let mut tick = tokio::time::interval(lag::INTERVAL);
+        loop {
+            tick.tick().await;
+            let (k, g) = (kafka.clone(), group.clone());
+            match tokio::task::spawn_blocking(move || lag::group_lag(&k, &g)).await {
+                Ok(Ok(lags)) => {
+                    for l in &lags {
+                        let p = l.partition.to_string();
+                        metrics::gauge!(crate::metrics::GROUP_LAG_MESSAGES, "partition" => p.clone())
+                            .set(l.messages as f64);
+                        metrics::gauge!(crate::metrics::GROUP_LAG_SECONDS, "partition" => p)
+                            .set(l.seconds);
+                    }
+                    let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
+                    cache.set_ttl(self.ttl_for_lag(worst));
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(
+                        error = format!("{e:#}"),
+                        "consumer lag unknown; keeping the cache TTL"
+                    );
+                }
+                Err(e) => tracing::debug!(error = %e, "lag task failed"),
+            }
+        }
     }
 }
 

@@ -2,34 +2,30 @@
 //! `target_stats`, however often Kafka delivers it.
 //!
 //! A batch is up to `batch_max` messages or `batch_wait` of time. Its events
-//! are grouped by target, and each target gets one fenced write (totals and
-//! applied versions in one single-partition conditional batch). Offsets are
-//! stored only after every write of the batch has landed; auto-commit then
-//! commits them. A crash anywhere replays from the last commit, and the
-//! replayed versions are dropped by the apply rule.
+//! are grouped by target, and each target gets one fenced write (see
+//! `fence`). Offsets are stored only after every write of the batch has
+//! landed; auto-commit then commits them. A crash anywhere replays from the
+//! last commit, and the replayed versions are dropped by the apply rule.
 
-pub mod lag;
+mod lag;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use anyhow::Context;
 use futures::StreamExt;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::util::Timeout;
-use rdkafka::{Message, Offset, TopicPartitionList};
 use tokio::sync::watch;
 
 use crate::bus::KafkaConfig;
+use crate::bus::dead_letter::DeadLetters;
+use crate::bus::lag::Positions;
+use crate::bus::source::{Received, Source};
 use crate::cache::{Cache, RedisConfig};
-use crate::domain::{TargetId, Transition, UserId};
-use crate::store::reactions::Cas;
-use crate::store::stats::{MAX_USERS_PER_WRITE, Stats};
-use crate::store::{CassandraConfig, Store};
+use crate::domain::{Ledger, TargetId, Transition, UserId};
+use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
+use crate::store::stats::Stats;
+use crate::store::{CassandraConfig, Store, StoreError};
 
 /// How the consumer writes: `batched` (one fenced write per target per
 /// batch) or `per-event` (one per event, the baseline the benches compare).
@@ -112,31 +108,8 @@ pub async fn run(
     progress: Arc<Progress>,
 ) -> anyhow::Result<()> {
     let store = Arc::new(Store::open(&config.cassandra, Duration::from_secs(1)).await?);
-    let consumer: Arc<StreamConsumer> = Arc::new(
-        config
-            .kafka
-            .client()
-            .set("group.id", &config.group)
-            .set("enable.auto.commit", "true")
-            .set("auto.commit.interval.ms", "1000")
-            // Offsets are stored by hand, after the write (see module docs).
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("session.timeout.ms", "10000")
-            .set("heartbeat.interval.ms", "1000")
-            .create()
-            .context("Failed to create the Kafka consumer")?,
-    );
-    consumer
-        .subscribe(&[&config.kafka.topic])
-        .context("Failed to subscribe")?;
-    let dead_letters: FutureProducer = config
-        .kafka
-        .client()
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .create()
-        .context("Failed to create the dead-letter producer")?;
+    let source = Source::join(&config.kafka, &config.group)?;
+    let dead_letters = DeadLetters::new(&config.kafka)?;
     let cache = Cache::new(&config.redis, Duration::from_secs(60))?;
     let readiness = crate::ops::Readiness::new(store.clone(), &config.kafka, cache.clone())?;
     let (port, ops_server) =
@@ -144,13 +117,8 @@ pub async fn run(
     progress.ops_port.store(u64::from(port), Ordering::Relaxed);
     let ops_handle = ops_server.handle();
     tokio::spawn(ops_server);
-    let positions = lag::Positions::default();
-    let lag_task = tokio::spawn(lag::report(
-        consumer.clone(),
-        config.kafka.topic.clone(),
-        positions.clone(),
-        stop.clone(),
-    ));
+    let positions = Positions::default();
+    let lag_task = tokio::spawn(lag::report(source.clone(), positions.clone(), stop.clone()));
     tracing::info!(group = %config.group, topic = %config.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let worker = Worker {
@@ -164,7 +132,7 @@ pub async fn run(
             break Ok(());
         }
         let batch = tokio::select! {
-            b = gather(&consumer, config.batch_max, config.batch_wait) => b,
+            b = source.gather(config.batch_max, config.batch_wait) => b,
             _ = stop.changed() => continue,
         };
         if batch.is_empty() {
@@ -177,7 +145,7 @@ pub async fn run(
         };
         match written {
             Ok(()) => {
-                store_offsets(&consumer, &config.kafka.topic, &batch);
+                source.store_offsets(&batch);
                 positions.advance(&batch);
                 progress
                     .processed
@@ -188,11 +156,7 @@ pub async fn run(
         }
     };
 
-    // Commit what was stored, synchronously, then leave the group.
-    if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-        tracing::debug!(error = %e, "final commit had nothing to do or failed");
-    }
-    consumer.unsubscribe();
+    source.leave();
     lag_task.abort();
     ops_handle.stop(true).await;
     tracing::info!(
@@ -207,58 +171,10 @@ async fn drain_deadline(mut stop: watch::Receiver<bool>, timeout: Duration) {
     tokio::time::sleep(timeout).await;
 }
 
-/// Waits for a first message, then takes more until the batch is full or
-/// `wait` has passed.
-async fn gather(consumer: &StreamConsumer, max: u64, wait: Duration) -> Vec<OwnedMessage> {
-    let mut batch = Vec::new();
-    let mut stream = consumer.stream();
-    let deadline = tokio::time::Instant::now() + wait;
-    while (batch.len() as u64) < max {
-        let next = if batch.is_empty() {
-            stream.next().await
-        } else {
-            match tokio::time::timeout_at(deadline, stream.next()).await {
-                Ok(m) => m,
-                Err(_) => break,
-            }
-        };
-        match next {
-            Some(Ok(m)) => batch.push(m.detach()),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "Kafka error while consuming");
-                if batch.is_empty() {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                break;
-            }
-            None => break,
-        }
-    }
-    batch
-}
-
-/// Stores, per partition, the offset after the batch's last message. Stored
-/// offsets of partitions revoked meanwhile are refused; their new owner
-/// replays those messages, which the apply rule makes harmless.
-fn store_offsets(consumer: &StreamConsumer, topic: &str, batch: &[OwnedMessage]) {
-    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
-    for m in batch {
-        let e = next.entry(m.partition()).or_insert(0);
-        *e = (*e).max(m.offset() + 1);
-    }
-    let mut tpl = TopicPartitionList::new();
-    for (p, o) in next {
-        let _ = tpl.add_partition_offset(topic, p, Offset::Offset(o));
-    }
-    if let Err(e) = consumer.store_offsets(&tpl) {
-        tracing::info!(error = %e, "some offsets not stored (partition revoked?); they will be replayed");
-    }
-}
-
 struct Worker<'a> {
     config: &'a ConsumerConfig,
     stats: &'a Stats,
-    dead_letters: &'a FutureProducer,
+    dead_letters: &'a DeadLetters,
     progress: &'a Progress,
 }
 
@@ -268,19 +184,19 @@ impl Worker<'_> {
     /// this batch may be stored).
     async fn process(
         &self,
-        batch: &[OwnedMessage],
+        batch: &[Received],
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         let mut by_target: HashMap<TargetId, Vec<Transition>> = HashMap::new();
         for m in batch {
-            match Transition::from_json(m.payload().unwrap_or_default()) {
+            match Transition::from_json(&m.payload) {
                 Ok(t) => by_target.entry(t.target_id.clone()).or_default().push(t),
                 Err(reason) => self.dead_letter(m, &reason.to_string(), stop).await?,
             }
         }
         let writes = by_target
             .into_iter()
-            .map(|(target, events)| async move { self.apply_target(&target, &events, stop).await });
+            .map(|(target, events)| async move { self.count_target(&target, &events, stop).await });
         let results: Vec<anyhow::Result<()>> = futures::stream::iter(writes)
             .buffer_unordered(self.config.parallelism.max(1))
             .collect()
@@ -288,10 +204,10 @@ impl Worker<'_> {
         results.into_iter().collect()
     }
 
-    /// Folds a target's events into its ledger and writes the result, in
-    /// chunks of at most `MAX_USERS_PER_WRITE` users (one event per chunk in
-    /// per-event mode). Retries until each write lands.
-    async fn apply_target(
+    /// Counts a target's events, in chunks of at most `MAX_USERS_PER_WRITE`
+    /// users (one event per chunk in per-event mode), each through the
+    /// fence. Retries a chunk until it lands.
+    async fn count_target(
         &self,
         target: &TargetId,
         events: &[Transition],
@@ -305,145 +221,126 @@ impl Worker<'_> {
             let mut users: Vec<&UserId> = chunk.iter().map(|t| &t.user_id).collect();
             users.sort_unstable();
             users.dedup();
-            let mut serial = false;
             let mut backoff = Duration::from_millis(50);
             loop {
-                self.progress.requests.fetch_add(2, Ordering::Relaxed);
-                let outcome = match self.stats.read(target, Some(&users), serial).await {
-                    Ok(read) => {
-                        let mut ledger = read.ledger;
-                        for t in chunk {
-                            ledger.apply(&t.user_id, t.version, Some(t.from), t.to);
-                        }
-                        if ledger.changed.is_empty() {
-                            metrics::counter!(crate::metrics::EVENTS, "result" => "replay")
-                                .increment(ledger.replays);
-                            self.progress
-                                .replays
-                                .fetch_add(ledger.replays, Ordering::Relaxed);
-                            break;
-                        }
-                        let changed: Vec<&UserId> = ledger.changed.iter().collect();
-                        self.progress.requests.fetch_add(1, Ordering::Relaxed);
-                        let written = self
-                            .stats
-                            .write(
-                                target,
-                                Some(chunk[0].target_type),
-                                read.seq,
-                                &ledger,
-                                &changed,
-                            )
-                            .await;
-                        crate::metrics::cas("stats", &written);
-                        match written {
-                            Cas::Applied => {
-                                metrics::counter!(crate::metrics::EVENTS, "result" => "applied")
-                                    .increment(chunk.len() as u64 - ledger.replays);
-                                metrics::counter!(crate::metrics::EVENTS, "result" => "replay")
-                                    .increment(ledger.replays);
-                                metrics::counter!(crate::metrics::GAPS).increment(ledger.gaps);
-                                self.progress.writes.fetch_add(1, Ordering::Relaxed);
-                                self.progress
-                                    .replays
-                                    .fetch_add(ledger.replays, Ordering::Relaxed);
-                                self.progress.gaps.fetch_add(ledger.gaps, Ordering::Relaxed);
-                                if ledger.gaps > 0 {
-                                    tracing::info!(target_id = %target, gaps = ledger.gaps, "transitions arrived out of order or were lost; counted from the applied state");
-                                }
-                                break;
-                            }
-                            // Another writer moved the fence, or our write may
-                            // have landed: re-read at SERIAL and fold again. If
-                            // it landed, the versions are now replays.
-                            Cas::NotApplied => {
-                                self.progress
-                                    .fence_conflicts
-                                    .fetch_add(1, Ordering::Relaxed);
-                                Ok(())
-                            }
-                            Cas::Unknown(e) => {
-                                tracing::warn!(target_id = %target, error = %e, "stats write outcome unknown; re-reading at SERIAL");
-                                Ok(())
-                            }
-                            Cas::Failed(e) => Err(e),
-                        }
-                    }
-                    Err(e) => Err(e.into()),
+                let mut counting = Counting {
+                    events: chunk,
+                    ledger: Ledger::default(),
                 };
-                serial = true;
-                if let Err(e) = outcome {
-                    if *stop.borrow() && backoff >= Duration::from_secs(2) {
-                        anyhow::bail!("stopping while Cassandra is failing: {e:#}");
+                match fence::write(
+                    self.stats,
+                    target,
+                    Scope::Users(&users),
+                    None,
+                    &mut counting,
+                )
+                .await
+                {
+                    Ok(done) => {
+                        self.record(target, chunk.len() as u64, &counting.ledger, done);
+                        break;
                     }
-                    tracing::warn!(target_id = %target, error = format!("{e:#}"), "stats write failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    Err(e) => {
+                        if *stop.borrow() && backoff >= Duration::from_secs(2) {
+                            anyhow::bail!(
+                                "stopping while Cassandra is failing: {:#}",
+                                anyhow::Error::new(e)
+                            );
+                        }
+                        tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "stats write failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    /// Sends an event the consumer cannot apply to the dead-letter topic,
-    /// with the reason and its origin in headers, and waits until Kafka has
-    /// it: a poison message is never silently skipped, and never blocks.
+    /// Metrics and progress, once per chunk, from its last round.
+    fn record(&self, target: &TargetId, n_events: u64, ledger: &Ledger, done: fence::Fenced) {
+        let p = self.progress;
+        p.requests.fetch_add(done.requests, Ordering::Relaxed);
+        p.fence_conflicts
+            .fetch_add(u64::from(done.lost), Ordering::Relaxed);
+        p.writes
+            .fetch_add(u64::from(done.writes), Ordering::Relaxed);
+        p.replays.fetch_add(ledger.replays, Ordering::Relaxed);
+        let applied = if done.ending == Ending::Written {
+            n_events - ledger.replays
+        } else {
+            0
+        };
+        metrics::counter!(crate::metrics::EVENTS, "result" => "applied").increment(applied);
+        metrics::counter!(crate::metrics::EVENTS, "result" => "replay").increment(ledger.replays);
+        if ledger.gaps > 0 {
+            p.gaps.fetch_add(ledger.gaps, Ordering::Relaxed);
+            metrics::counter!(crate::metrics::GAPS).increment(ledger.gaps);
+            tracing::info!(target_id = %target, gaps = ledger.gaps, "transitions arrived out of order or were lost; counted from the applied state");
+        }
+    }
+
+    /// Sends an event the consumer cannot apply to the dead-letter topic and
+    /// waits until Kafka has it: a poison message is never silently skipped.
     async fn dead_letter(
         &self,
-        m: &OwnedMessage,
+        m: &Received,
         reason: &str,
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
-        let (partition, offset) = (m.partition().to_string(), m.offset().to_string());
         loop {
-            let headers = OwnedHeaders::new()
-                .insert(Header {
-                    key: "tally-dlq-reason",
-                    value: Some(reason),
-                })
-                .insert(Header {
-                    key: "tally-source-topic",
-                    value: Some(m.topic()),
-                })
-                .insert(Header {
-                    key: "tally-source-partition",
-                    value: Some(&partition),
-                })
-                .insert(Header {
-                    key: "tally-source-offset",
-                    value: Some(&offset),
-                });
-            let mut record = FutureRecord::to(&self.config.kafka.dead_letter_topic)
-                .payload(m.payload().unwrap_or_default())
-                .headers(headers);
-            if let Some(key) = m.key() {
-                record = record.key(key);
-            }
-            match self
-                .dead_letters
-                .send(record, Timeout::After(Duration::from_secs(5)))
-                .await
-            {
-                Ok(_) => {
+            match self.dead_letters.send(m, reason).await {
+                Ok(()) => {
                     self.progress.dead_lettered.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!(crate::metrics::DEAD_LETTERED).increment(1);
                     tracing::warn!(
-                        partition = m.partition(),
-                        offset = m.offset(),
+                        partition = m.partition,
+                        offset = m.offset,
                         reason,
                         "event dead-lettered"
                     );
                     return Ok(());
                 }
-                Err((e, _)) if !*stop.borrow() => {
-                    tracing::warn!(error = %e, "dead-letter publish failed; retrying");
+                Err(e) if !*stop.borrow() => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "dead-letter publish failed; retrying"
+                    );
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
-                Err((e, _)) => anyhow::bail!(
-                    "stopping before a poison message reached the dead-letter topic: {e}"
+                Err(e) => anyhow::bail!(
+                    "stopping before a poison message reached the dead-letter topic: {e:#}"
                 ),
             }
         }
+    }
+}
+
+/// Folds one chunk of a target's events into each round's read.
+struct Counting<'a> {
+    events: &'a [Transition],
+    /// The last round's ledger: what the chunk counted and replayed.
+    ledger: Ledger,
+}
+
+impl Fold for Counting<'_> {
+    async fn fold(&mut self, _: &TargetId, read: Read) -> Result<Step, StoreError> {
+        let mut ledger = Ledger::new(read.head.totals, read.applied);
+        for t in self.events {
+            ledger.apply_event(&t.user_id, t.version, t.from, t.to);
+        }
+        let step = if ledger.changed.is_empty() {
+            Step::Settled
+        } else {
+            Step::Write {
+                totals: ledger.totals,
+                target_type: self.events.first().map(|t| t.target_type),
+                users: ledger.changed_rows(),
+                more: false,
+            }
+        };
+        self.ledger = ledger;
+        Ok(step)
     }
 }
 

@@ -27,22 +27,56 @@ impl Ledger {
         }
     }
 
-    /// Applies one transition of `user` to `to` at `version`. `from` is the
-    /// state the event claims to leave; `None` when unknown (a recount).
-    pub fn apply(&mut self, user: &UserId, version: i64, from: Option<Reaction>, to: Reaction) {
+    /// Applies a published transition of `user` from `from` to `to` at
+    /// `version`. A `from` that is not the state counted for the user means
+    /// an earlier transition was lost or reordered: a gap.
+    pub fn apply_event(&mut self, user: &UserId, version: i64, from: Reaction, to: Reaction) {
+        if let Some(gap) = self.apply_from(user, version, Some(from), to) {
+            self.gaps += u64::from(gap);
+        }
+    }
+
+    /// Applies a user's row in `reactions` (its state at `version`), as a
+    /// recount does. A row carries no `from`, so a recount finds no gaps.
+    pub fn apply_row(&mut self, user: &UserId, version: i64, state: Reaction) {
+        self.apply_from(user, version, None, state);
+    }
+
+    /// Moves the totals from the state counted for `user`; `None` for a
+    /// replay, else whether it was a gap.
+    fn apply_from(
+        &mut self,
+        user: &UserId,
+        version: i64,
+        from: Option<Reaction>,
+        to: Reaction,
+    ) -> Option<bool> {
         let current = self.applied.get(user).copied().unwrap_or(Applied::NEVER);
         match apply(current, version, from.unwrap_or(current.state), to) {
-            Outcome::Replay => self.replays += 1,
+            Outcome::Replay => {
+                self.replays += 1;
+                None
+            }
             Outcome::Apply { next, delta, gap } => {
                 self.totals = self.totals.apply(delta);
                 self.applied.insert(user.clone(), next);
                 self.changed.insert(user.clone());
-                // A recount cannot know `from`, so only a version jump is a gap there.
-                if gap && from.is_some() {
-                    self.gaps += 1;
-                }
+                Some(gap)
             }
         }
+    }
+
+    /// The applied rows of the users whose version moved, to be written.
+    pub fn changed_rows(&self) -> Vec<(UserId, Applied)> {
+        self.changed
+            .iter()
+            .map(|u| {
+                (
+                    u.clone(),
+                    self.applied.get(u).copied().unwrap_or(Applied::NEVER),
+                )
+            })
+            .collect()
     }
 
     /// What the applied states add up to. Equal to `totals` unless the
@@ -64,10 +98,10 @@ mod tests {
     #[test]
     fn a_fold_counts_only_new_versions() {
         let mut l = Ledger::default();
-        l.apply(&user(1), 1, Some(Reaction::None), Reaction::Like);
-        l.apply(&user(1), 1, Some(Reaction::None), Reaction::Like);
-        l.apply(&user(2), 1, Some(Reaction::None), Reaction::Dislike);
-        l.apply(&user(1), 2, Some(Reaction::Like), Reaction::Dislike);
+        l.apply_event(&user(1), 1, Reaction::None, Reaction::Like);
+        l.apply_event(&user(1), 1, Reaction::None, Reaction::Like);
+        l.apply_event(&user(2), 1, Reaction::None, Reaction::Dislike);
+        l.apply_event(&user(1), 2, Reaction::Like, Reaction::Dislike);
         assert_eq!(
             l.totals,
             Totals {
@@ -90,8 +124,8 @@ mod tests {
             },
         )]);
         let mut l = Ledger::new(Totals::default(), at4);
-        l.apply(&user(1), 6, Some(Reaction::Like), Reaction::Dislike);
-        l.apply(&user(1), 5, Some(Reaction::None), Reaction::Like);
+        l.apply_event(&user(1), 6, Reaction::Like, Reaction::Dislike);
+        l.apply_event(&user(1), 5, Reaction::None, Reaction::Like);
         assert_eq!(
             l.applied.get(&user(1)),
             Some(&Applied {
@@ -122,18 +156,18 @@ mod tests {
             let mut whole = Ledger::default();
             for e in &events {
                 let (u, v, f, t) = ev(e);
-                whole.apply(&u, v, Some(f), t);
+                whole.apply_event(&u, v, f, t);
             }
             let cut = cut.min(events.len());
             let mut first = Ledger::default();
             for e in &events[..cut] {
                 let (u, v, f, t) = ev(e);
-                first.apply(&u, v, Some(f), t);
+                first.apply_event(&u, v, f, t);
             }
             let mut second = Ledger::new(first.totals, first.applied.clone());
             for e in &events[cut..] {
                 let (u, v, f, t) = ev(e);
-                second.apply(&u, v, Some(f), t);
+                second.apply_event(&u, v, f, t);
             }
             prop_assert_eq!(second.totals, whole.totals);
             prop_assert_eq!(&second.applied, &whole.applied);

@@ -9,4 +9,4 @@ pub mod transition;
 pub use ids::{IdError, IdempotencyKey, TargetId, TargetType, UserId};
 pub use ledger::Ledger;
 pub use reaction::{Applied, Delta, Outcome, Reaction, Totals, apply};
-pub use transition::{InvalidTransition, Transition, now_rfc3339};
+pub use transition::{InvalidTransition, Transition};

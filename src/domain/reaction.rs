@@ -80,7 +80,7 @@ pub struct Delta {
 }
 
 impl Delta {
-    /// The seed's DELTAS table, derived rather than listed: the totals move by
+    /// The table of deltas, derived rather than listed: the totals move by
     /// what the new state contributes minus what the old one did.
     pub fn between(from: Reaction, to: Reaction) -> Delta {
         let (f, t) = (from.contribution(), to.contribution());
@@ -107,6 +107,13 @@ impl std::ops::AddAssign for Delta {
 pub struct Totals {
     pub likes: i64,
     pub dislikes: i64,
+}
+
+/// As an operator reads it: `likes=66 dislikes=70`.
+impl fmt::Display for Totals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "likes={} dislikes={}", self.likes, self.dislikes)
+    }
 }
 
 impl Totals {
@@ -178,7 +185,7 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
-    fn deltas_match_the_seed_table() {
+    fn deltas_match_the_table_of_transitions() {
         use Reaction::*;
         let table = [
             ((None, Like), (1, 0)),
@@ -292,7 +299,7 @@ mod tests {
                     events.remove(idx.index(events.len()));
                 }
             }
-            // A deterministic shuffle from the seed.
+            // A deterministic shuffle from the generated number.
             let mut rng = order;
             for i in (1..events.len()).rev() {
                 rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

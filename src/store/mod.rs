@@ -14,6 +14,7 @@ use anyhow::Context;
 use scylla::client::execution_profile::ExecutionProfile;
 use scylla::client::session::Session;
 use scylla::client::session_builder::SessionBuilder;
+use scylla::errors::{DbError, ExecutionError, RequestAttemptError};
 use scylla::policies::load_balancing::DefaultPolicy;
 use scylla::statement::{Consistency, SerialConsistency};
 
@@ -104,9 +105,80 @@ pub async fn connect_keyspace(config: &CassandraConfig) -> anyhow::Result<Sessio
     Ok(session)
 }
 
-/// Wraps any driver error as `Unavailable`.
-pub(crate) fn unavailable<E: Into<anyhow::Error>>(e: E) -> reactions::Unavailable {
-    reactions::Unavailable(e.into())
+/// Why a read or a plain write failed. A conditional write answers `Cas`
+/// instead, because its failure may still have applied.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("Cassandra request failed")]
+    Request(#[source] anyhow::Error),
+    #[error("a stored row is corrupt: {0}")]
+    Corrupt(String),
+}
+
+/// Wraps any driver error.
+pub(crate) fn request_failed<E: Into<anyhow::Error>>(e: E) -> StoreError {
+    StoreError::Request(e.into())
+}
+
+/// The result of a conditional write.
+#[derive(Debug)]
+pub enum Cas {
+    Applied,
+    /// A condition failed: another request changed the row or used the key.
+    NotApplied,
+    /// The request may or may not have been applied (a CAS timeout, a lost
+    /// connection). Only a SERIAL read can tell.
+    Unknown(anyhow::Error),
+    /// It certainly did not run (no replica could take it).
+    Failed(anyhow::Error),
+}
+
+/// Sorts the result of a conditional write into applied, not applied, failed
+/// before it ran, or unknown. Anything not known to have failed before
+/// reaching Paxos is unknown: guessing "not applied" could lose a vote, and
+/// guessing "applied" could publish a transition that never happened.
+pub(crate) fn classify(
+    result: Result<scylla::response::query_result::QueryResult, ExecutionError>,
+) -> Cas {
+    match result {
+        Ok(r) => match was_applied(r) {
+            Ok(true) => Cas::Applied,
+            Ok(false) => Cas::NotApplied,
+            Err(e) => Cas::Unknown(e),
+        },
+        Err(e) => {
+            let certainly_not_run = match &e {
+                ExecutionError::EmptyPlan
+                | ExecutionError::ConnectionPoolError(_)
+                | ExecutionError::BadQuery(_) => true,
+                ExecutionError::PrepareError(_) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::DbError(db, _)) => matches!(
+                    db,
+                    DbError::Unavailable { .. }
+                        | DbError::Overloaded
+                        | DbError::IsBootstrapping
+                        | DbError::Invalid
+                        | DbError::SyntaxError
+                        | DbError::Unprepared { .. }
+                ),
+                ExecutionError::LastAttemptError(RequestAttemptError::SerializationError(_)) => {
+                    true
+                }
+                ExecutionError::LastAttemptError(RequestAttemptError::CqlRequestSerialization(
+                    _,
+                )) => true,
+                ExecutionError::LastAttemptError(RequestAttemptError::UnableToAllocStreamId) => {
+                    true
+                }
+                _ => false,
+            };
+            if certainly_not_run {
+                Cas::Failed(e.into())
+            } else {
+                Cas::Unknown(e.into())
+            }
+        }
+    }
 }
 
 /// Runs a prepared statement and reads its first row, if any.
@@ -114,7 +186,7 @@ pub(crate) async fn first_row<T, V>(
     session: &Session,
     stmt: &scylla::statement::prepared::PreparedStatement,
     values: V,
-) -> Result<Option<T>, reactions::Unavailable>
+) -> Result<Option<T>, StoreError>
 where
     T: for<'f> scylla::deserialize::row::DeserializeRow<'f, 'f>,
     V: scylla::serialize::row::SerializeRow,
@@ -122,12 +194,12 @@ where
     let result = session
         .execute_unpaged(stmt, values)
         .await
-        .map_err(unavailable)?;
+        .map_err(request_failed)?;
     result
         .into_rows_result()
-        .map_err(unavailable)?
+        .map_err(request_failed)?
         .maybe_first_row::<T>()
-        .map_err(unavailable)
+        .map_err(request_failed)
 }
 
 /// Runs a prepared statement and reads every row, page by page (never one
@@ -136,7 +208,7 @@ pub(crate) async fn all_rows<T, V>(
     session: &Session,
     stmt: &scylla::statement::prepared::PreparedStatement,
     values: V,
-) -> Result<Vec<T>, reactions::Unavailable>
+) -> Result<Vec<T>, StoreError>
 where
     T: for<'f, 'm> scylla::deserialize::row::DeserializeRow<'f, 'm> + 'static,
     V: scylla::serialize::row::SerializeRow,
@@ -145,12 +217,12 @@ where
     session
         .execute_iter(stmt.clone(), values)
         .await
-        .map_err(unavailable)?
+        .map_err(request_failed)?
         .rows_stream::<T>()
-        .map_err(unavailable)?
+        .map_err(request_failed)?
         .try_collect()
         .await
-        .map_err(unavailable)
+        .map_err(request_failed)
 }
 
 /// Reads `[applied]` from the result of a conditional statement or batch.

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use scylla::client::session::Session;
-use scylla::errors::{DbError, ExecutionError, RequestAttemptError};
 use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
 use scylla::statement::{Consistency, SerialConsistency};
 use scylla::value::CqlTimestamp;
 use uuid::Uuid;
 
+use super::{Cas, StoreError, classify};
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
 /// Clustering values of idempotency rows start with this; target ids cannot.
@@ -58,23 +58,6 @@ pub struct Change<'a> {
     pub key: &'a IdempotencyKey,
     pub record: &'a KeyRecord,
 }
-
-/// The result of a conditional write.
-#[derive(Debug)]
-pub enum Cas {
-    Applied,
-    /// A condition failed: another request changed the row or used the key.
-    NotApplied,
-    /// The request may or may not have been applied (a CAS timeout, a lost
-    /// connection). Only a SERIAL read can tell.
-    Unknown(anyhow::Error),
-    /// It certainly did not run (no replica could take it).
-    Failed(anyhow::Error),
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("Cassandra is unavailable: {0:#}")]
-pub struct Unavailable(#[source] pub anyhow::Error);
 
 pub struct Reactions {
     session: Arc<Session>,
@@ -168,7 +151,7 @@ impl Reactions {
         target: &TargetId,
         key: &IdempotencyKey,
         serial: bool,
-    ) -> Result<Snapshot, Unavailable> {
+    ) -> Result<Snapshot, StoreError> {
         let stmt = if serial {
             &self.snapshot_serial
         } else {
@@ -196,7 +179,12 @@ impl Reactions {
                 if let (Some(request_hash), Some(owner), Some(status), Some(body)) =
                     (hash, owner, status, body)
                 {
-                    let status = u16::try_from(status).unwrap_or(200);
+                    let status = u16::try_from(status)
+                        .ok()
+                        .filter(|s| (100..600).contains(s))
+                        .ok_or_else(|| {
+                            StoreError::Corrupt(format!("idempotency record status {status}"))
+                        })?;
                     snap.record = Some(KeyRecord {
                         request_hash,
                         owner,
@@ -205,9 +193,12 @@ impl Reactions {
                     });
                 }
             } else if let (Some(state), Some(version)) = (state, version) {
-                let state = state
-                    .parse()
-                    .map_err(|e: crate::domain::reaction::UnknownReaction| Unavailable(e.into()))?;
+                let state =
+                    state
+                        .parse()
+                        .map_err(|e: crate::domain::reaction::UnknownReaction| {
+                            StoreError::Corrupt(e.to_string())
+                        })?;
                 snap.current = Some(Current { state, version });
             }
         }
@@ -284,7 +275,7 @@ impl Reactions {
         &self,
         user: &UserId,
         targets: &[TargetId],
-    ) -> Result<HashMap<TargetId, Reaction>, Unavailable> {
+    ) -> Result<HashMap<TargetId, Reaction>, StoreError> {
         let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
         let rows: Vec<(String, Option<String>)> =
             super::all_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
@@ -304,10 +295,7 @@ impl Reactions {
 impl Reactions {
     /// Every user's (state, version) for one target, paged through the
     /// SAI index: the truth reconcile counts from.
-    pub async fn by_target(
-        &self,
-        target: &TargetId,
-    ) -> Result<Vec<(UserId, Current)>, Unavailable> {
+    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Current)>, StoreError> {
         let rows: Vec<(String, Option<String>, Option<i64>)> =
             super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
         let mut out = Vec::with_capacity(rows.len());
@@ -328,52 +316,4 @@ fn now_millis() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or(0)
-}
-
-/// Sorts the result of a conditional write into applied, not applied, failed
-/// before it ran, or unknown. Anything not known to have failed before
-/// reaching Paxos is unknown: guessing "not applied" could lose a vote, and
-/// guessing "applied" could publish a transition that never happened.
-pub(crate) fn classify(
-    result: Result<scylla::response::query_result::QueryResult, ExecutionError>,
-) -> Cas {
-    match result {
-        Ok(r) => match super::was_applied(r) {
-            Ok(true) => Cas::Applied,
-            Ok(false) => Cas::NotApplied,
-            Err(e) => Cas::Unknown(e),
-        },
-        Err(e) => {
-            let certainly_not_run = match &e {
-                ExecutionError::EmptyPlan
-                | ExecutionError::ConnectionPoolError(_)
-                | ExecutionError::BadQuery(_) => true,
-                ExecutionError::PrepareError(_) => true,
-                ExecutionError::LastAttemptError(RequestAttemptError::DbError(db, _)) => matches!(
-                    db,
-                    DbError::Unavailable { .. }
-                        | DbError::Overloaded
-                        | DbError::IsBootstrapping
-                        | DbError::Invalid
-                        | DbError::SyntaxError
-                        | DbError::Unprepared { .. }
-                ),
-                ExecutionError::LastAttemptError(RequestAttemptError::SerializationError(_)) => {
-                    true
-                }
-                ExecutionError::LastAttemptError(RequestAttemptError::CqlRequestSerialization(
-                    _,
-                )) => true,
-                ExecutionError::LastAttemptError(RequestAttemptError::UnableToAllocStreamId) => {
-                    true
-                }
-                _ => false,
-            };
-            if certainly_not_run {
-                Cas::Failed(e.into())
-            } else {
-                Cas::Unknown(e.into())
-            }
-        }
-    }
 }

@@ -15,171 +15,170 @@ use scylla::statement::prepared::PreparedStatement;
 use scylla::statement::{Consistency, SerialConsistency};
 use scylla::value::MaybeUnset;
 
-use super::reactions::{Cas, Unavailable, classify};
-use crate::domain::{Applied, Ledger, Reaction, TargetId, TargetType, Totals, UserId};
+use super::{Cas, StoreError, classify};
+use crate::domain::{Applied, Reaction, TargetId, TargetType, Totals, UserId};
 
 /// Most users one fenced write may carry, keeping the batch well under
 /// Cassandra's batch size limits. Larger groups are written in chunks, each
 /// self-consistent (its totals include exactly the users it records).
 pub const MAX_USERS_PER_WRITE: usize = 200;
 
-/// A target's durable state as read: the fence and the ledger.
-#[derive(Debug, Clone)]
-pub struct TargetRead {
+/// Which read a fenced writer needs: a plain LOCAL_QUORUM read, or one at
+/// LOCAL_SERIAL, which first completes any Paxos round still in flight on the
+/// partition (after a lost fence or an unknown outcome).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadAt {
+    Quorum,
+    Serial,
+}
+
+/// A target's static columns: the fence and the totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Head {
     /// `None` when nothing was ever written for the target.
     pub seq: Option<i64>,
-    pub ledger: Ledger,
+    pub totals: Totals,
+    pub target_type: Option<TargetType>,
+}
+
+/// One fenced write: the new totals and the applied rows of some users, if
+/// the partition's `seq` is still `read_seq`. It sets `seq` to `read_seq + 1`.
+#[derive(Debug, Clone, Copy)]
+pub struct FencedWrite<'a> {
+    pub read_seq: Option<i64>,
+    pub totals: Totals,
+    /// Recorded when known; an absent type leaves the stored one alone.
+    pub target_type: Option<TargetType>,
+    pub users: &'a [(UserId, Applied)],
 }
 
 pub struct Stats {
     session: Arc<Session>,
-    totals: PreparedStatement,
-    head: [PreparedStatement; 2],
-    users: [PreparedStatement; 2],
-    all_users: PreparedStatement,
+    head: PreparedStatement,
+    head_serial: PreparedStatement,
+    applied_of: PreparedStatement,
+    applied_all: PreparedStatement,
     write_head: PreparedStatement,
     write_user: PreparedStatement,
 }
 
+type AppliedRow = (Option<String>, Option<i64>, Option<String>);
+
 impl Stats {
     pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Stats> {
         // Only static columns: LIMIT 1 returns the partition's one value.
-        const HEAD: &str =
-            "SELECT likes, dislikes, seq FROM target_stats WHERE target_id = ? LIMIT 1";
-        const USERS: &str = "SELECT user_id, applied_version, applied_state FROM target_stats WHERE target_id = ? AND user_id IN ?";
-        let totals = session.prepare(HEAD).await.context("prepare totals")?;
-        let serial = |mut s: PreparedStatement| {
-            s.set_consistency(Consistency::LocalSerial);
-            s
-        };
-        let head = [
-            session.prepare(HEAD).await?,
-            serial(session.prepare(HEAD).await?),
-        ];
-        let users = [
-            session.prepare(USERS).await?,
-            serial(session.prepare(USERS).await?),
-        ];
-        let all_users = session
-            .prepare("SELECT user_id, applied_version, applied_state FROM target_stats WHERE target_id = ?")
+        const HEAD: &str = "SELECT likes, dislikes, seq, target_type FROM target_stats \
+             WHERE target_id = ? LIMIT 1";
+        let head = session.prepare(HEAD).await.context("prepare head")?;
+        let mut head_serial = session.prepare(HEAD).await.context("prepare serial head")?;
+        head_serial.set_consistency(Consistency::LocalSerial);
+        let applied_of = session
+            .prepare(
+                "SELECT user_id, applied_version, applied_state FROM target_stats \
+                 WHERE target_id = ? AND user_id IN ?",
+            )
             .await
-            .context("prepare all users")?;
+            .context("prepare applied rows of users")?;
+        let applied_all = session
+            .prepare(
+                "SELECT user_id, applied_version, applied_state FROM target_stats \
+                 WHERE target_id = ?",
+            )
+            .await
+            .context("prepare all applied rows")?;
         let write_head = session
             .prepare(
-                "UPDATE target_stats SET likes = ?, dislikes = ?, seq = ?, target_type = ? WHERE target_id = ? IF seq = ?",
+                "UPDATE target_stats SET likes = ?, dislikes = ?, seq = ?, target_type = ? \
+                 WHERE target_id = ? IF seq = ?",
             )
             .await
             .context("prepare head write")?;
         let write_user = session
-            .prepare("UPDATE target_stats SET applied_version = ?, applied_state = ? WHERE target_id = ? AND user_id = ?")
+            .prepare(
+                "UPDATE target_stats SET applied_version = ?, applied_state = ? \
+                 WHERE target_id = ? AND user_id = ?",
+            )
             .await
             .context("prepare user write")?;
         Ok(Stats {
             session,
-            totals,
             head,
-            users,
-            all_users,
+            head_serial,
+            applied_of,
+            applied_all,
             write_head,
             write_user,
         })
     }
 
     /// The durable totals of one target; zeros if nothing was counted yet.
-    pub async fn totals(&self, target: &TargetId) -> Result<Totals, Unavailable> {
-        Ok(self.head(&self.totals, target).await?.1)
+    pub async fn totals(&self, target: &TargetId) -> Result<Totals, StoreError> {
+        Ok(self.head(target, ReadAt::Quorum).await?.totals)
     }
 
-    async fn head(
-        &self,
-        stmt: &PreparedStatement,
-        target: &TargetId,
-    ) -> Result<(Option<i64>, Totals), Unavailable> {
-        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> =
-            super::first_row(&self.session, stmt, (target.as_str(),)).await?;
-        let (likes, dislikes, seq) = row.unwrap_or((None, None, None));
-        Ok((
+    /// The fence and the totals.
+    pub async fn head(&self, target: &TargetId, at: ReadAt) -> Result<Head, StoreError> {
+        let stmt = match at {
+            ReadAt::Quorum => &self.head,
+            ReadAt::Serial => &self.head_serial,
+        };
+        type Row = (Option<i64>, Option<i64>, Option<i64>, Option<String>);
+        let row: Option<Row> = super::first_row(&self.session, stmt, (target.as_str(),)).await?;
+        let (likes, dislikes, seq, kind) = row.unwrap_or_default();
+        Ok(Head {
             seq,
-            Totals {
+            totals: Totals {
                 likes: likes.unwrap_or(0),
                 dislikes: dislikes.unwrap_or(0),
             },
-        ))
-    }
-
-    /// Reads the fence, the totals and the applied rows of `users` (or of
-    /// every user, when `users` is `None`), at LOCAL_SERIAL when `serial`.
-    pub async fn read(
-        &self,
-        target: &TargetId,
-        users: Option<&[&UserId]>,
-        serial: bool,
-    ) -> Result<TargetRead, Unavailable> {
-        let i = usize::from(serial);
-        let head = self.head(&self.head[i], target);
-        // A partition holding only its static columns answers one row with a
-        // null user_id.
-        type Row = (Option<String>, Option<i64>, Option<String>);
-        let rows = async {
-            match users {
-                Some(users) => {
-                    let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
-                    super::all_rows::<Row, _>(&self.session, &self.users[i], (target.as_str(), ids))
-                        .await
-                }
-                None => {
-                    super::all_rows::<Row, _>(&self.session, &self.all_users, (target.as_str(),))
-                        .await
-                }
-            }
-        };
-        let ((seq, totals), rows) = futures::try_join!(head, rows)?;
-        let mut applied = HashMap::new();
-        for (user, version, state) in rows {
-            let (Some(Ok(user)), Some(version)) = (user.as_deref().map(UserId::parse), version)
-            else {
-                continue;
-            };
-            let state = state
-                .and_then(|s| s.parse::<Reaction>().ok())
-                .unwrap_or(Reaction::None);
-            applied.insert(user, Applied { version, state });
-        }
-        Ok(TargetRead {
-            seq,
-            ledger: Ledger::new(totals, applied),
+            target_type: kind.as_deref().and_then(TargetType::parse),
         })
     }
 
-    /// Writes the ledger's totals and the applied rows of `users`, if the
-    /// partition's seq is still `read.seq`. Sets seq to `read.seq + 1`.
-    pub async fn write(
+    /// The applied rows of `users`. Read after `head`: a write that lands in
+    /// between moves the fence, so it cannot go unnoticed.
+    pub async fn applied_of(
         &self,
         target: &TargetId,
-        target_type: Option<TargetType>,
-        read_seq: Option<i64>,
-        ledger: &Ledger,
         users: &[&UserId],
-    ) -> Cas {
+    ) -> Result<HashMap<UserId, Applied>, StoreError> {
+        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
+        let rows: Vec<AppliedRow> =
+            super::all_rows(&self.session, &self.applied_of, (target.as_str(), ids)).await?;
+        Ok(applied_map(rows))
+    }
+
+    /// Every applied row of the target, page by page.
+    pub async fn applied_all(
+        &self,
+        target: &TargetId,
+    ) -> Result<HashMap<UserId, Applied>, StoreError> {
+        let rows: Vec<AppliedRow> =
+            super::all_rows(&self.session, &self.applied_all, (target.as_str(),)).await?;
+        Ok(applied_map(rows))
+    }
+
+    /// Writes the totals and the applied rows in one conditional batch on
+    /// the partition's `seq`.
+    pub async fn write(&self, target: &TargetId, w: &FencedWrite<'_>) -> Cas {
         let mut batch = Batch::new(BatchType::Unlogged);
         batch.set_consistency(Consistency::LocalQuorum);
         batch.set_serial_consistency(Some(SerialConsistency::LocalSerial));
         batch.append_statement(self.write_head.clone());
-        let kind = match target_type {
+        let kind = match w.target_type {
             Some(t) => MaybeUnset::Set(t.as_str()),
             None => MaybeUnset::Unset,
         };
-        let mut values = Vec::with_capacity(users.len() + 1);
+        let mut values = Vec::with_capacity(w.users.len() + 1);
         values.push(Row::Head((
-            ledger.totals.likes,
-            ledger.totals.dislikes,
-            read_seq.unwrap_or(0) + 1,
+            w.totals.likes,
+            w.totals.dislikes,
+            w.read_seq.unwrap_or(0) + 1,
             kind,
             target.as_str(),
-            read_seq,
+            w.read_seq,
         )));
-        for user in users {
-            let a = ledger.applied.get(*user).copied().unwrap_or(Applied::NEVER);
+        for (user, a) in w.users {
             batch.append_statement(self.write_user.clone());
             values.push(Row::User((
                 a.version,
@@ -190,6 +189,22 @@ impl Stats {
         }
         classify(self.session.batch(&batch, values).await)
     }
+}
+
+/// A partition holding only its static columns answers one row with a null
+/// user_id; it, and rows that do not parse, are skipped.
+fn applied_map(rows: Vec<AppliedRow>) -> HashMap<UserId, Applied> {
+    let mut applied = HashMap::new();
+    for (user, version, state) in rows {
+        let (Some(Ok(user)), Some(version)) = (user.as_deref().map(UserId::parse), version) else {
+            continue;
+        };
+        let state = state
+            .and_then(|s| s.parse::<Reaction>().ok())
+            .unwrap_or(Reaction::None);
+        applied.insert(user, Applied { version, state });
+    }
+    applied
 }
 
 /// The values of one statement of a stats batch: the statics, or one user.

@@ -8,7 +8,7 @@ use anyhow::Context;
 use scylla::client::session::Session;
 use scylla::statement::prepared::PreparedStatement;
 
-use super::reactions::Unavailable;
+use super::StoreError;
 use crate::domain::{TargetId, TargetType};
 
 /// Targets this process registered recently; the registry is an idempotent
@@ -63,14 +63,14 @@ impl Targets {
 
     /// Records that the target has reactions. Called before a first reaction
     /// commits; skipped when this process registered it recently.
-    pub async fn register(&self, target: &TargetId, kind: TargetType) -> Result<(), Unavailable> {
+    pub async fn register(&self, target: &TargetId, kind: TargetType) -> Result<(), StoreError> {
         if self.registered.lock().is_ok_and(|s| s.contains(target)) {
             return Ok(());
         }
         self.session
             .execute_unpaged(&self.register, (target.as_str(), kind.as_str()))
             .await
-            .map_err(super::unavailable)?;
+            .map_err(super::request_failed)?;
         if let Ok(mut s) = self.registered.lock() {
             if s.len() >= REMEMBERED {
                 s.clear();
@@ -85,7 +85,7 @@ impl Targets {
         &self,
         after: Option<i64>,
         limit: i32,
-    ) -> Result<Vec<(TargetId, i64)>, Unavailable> {
+    ) -> Result<Vec<(TargetId, i64)>, StoreError> {
         let rows: Vec<(String, i64)> = match after {
             None => super::all_rows(&self.session, &self.first_page, (limit,)).await?,
             Some(t) => super::all_rows(&self.session, &self.next_page, (t, limit)).await?,
@@ -96,7 +96,7 @@ impl Targets {
             .collect())
     }
 
-    pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, Unavailable> {
+    pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, StoreError> {
         let row: Option<(Option<i64>, Option<i64>, Option<i64>)> =
             super::first_row(&self.session, &self.read_checkpoint, (name,)).await?;
         Ok(row.map(|(last_token, checked, drifted)| Checkpoint {
@@ -106,22 +106,22 @@ impl Targets {
         }))
     }
 
-    pub async fn save_checkpoint(&self, name: &str, c: &Checkpoint) -> Result<(), Unavailable> {
+    pub async fn save_checkpoint(&self, name: &str, c: &Checkpoint) -> Result<(), StoreError> {
         self.session
             .execute_unpaged(
                 &self.write_checkpoint,
                 (name, c.last_token, c.checked, c.drifted),
             )
             .await
-            .map_err(super::unavailable)?;
+            .map_err(super::request_failed)?;
         Ok(())
     }
 
-    pub async fn clear_checkpoint(&self, name: &str) -> Result<(), Unavailable> {
+    pub async fn clear_checkpoint(&self, name: &str) -> Result<(), StoreError> {
         self.session
             .execute_unpaged(&self.delete_checkpoint, (name,))
             .await
-            .map_err(super::unavailable)?;
+            .map_err(super::request_failed)?;
         Ok(())
     }
 }

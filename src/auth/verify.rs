@@ -1,140 +1,10 @@
-//! Bearer tokens: who is voting. The user is the verified token's `sub`,
-//! never a field of the request.
+//! Verifying bearer tokens with one pinned algorithm and key.
 
-use std::fmt;
-use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use anyhow::Context;
+use jsonwebtoken::{DecodingKey, Validation};
 
-use anyhow::{Context, bail};
-use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
-use serde::{Deserialize, Serialize};
-
+use super::{AuthConfig, AuthError, Caller, Claims, JwtAlgorithm};
 use crate::domain::UserId;
-
-/// A secret that never prints.
-#[derive(Clone)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Secret {
-        Secret(s.into())
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(***)")
-    }
-}
-
-impl std::str::FromStr for Secret {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.len() < 8 {
-            return Err("the JWT secret must be at least 8 bytes".into());
-        }
-        Ok(Secret(s.to_owned()))
-    }
-}
-
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JwtAlgorithm {
-    #[value(name = "HS256")]
-    Hs256,
-    #[value(name = "RS256")]
-    Rs256,
-    #[value(name = "ES256")]
-    Es256,
-}
-
-impl JwtAlgorithm {
-    fn algorithm(self) -> Algorithm {
-        match self {
-            JwtAlgorithm::Hs256 => Algorithm::HS256,
-            JwtAlgorithm::Rs256 => Algorithm::RS256,
-            JwtAlgorithm::Es256 => Algorithm::ES256,
-        }
-    }
-}
-
-/// How tokens are checked (and, for `tally token`, made).
-#[derive(clap::Args, Debug, Clone)]
-pub struct AuthConfig {
-    /// Token algorithm. Tokens signed any other way (including `alg: none`) are refused.
-    #[arg(long = "jwt-algorithm", env = "TALLY_JWT_ALGORITHM", value_enum, default_value_t = JwtAlgorithm::Hs256)]
-    pub algorithm: JwtAlgorithm,
-
-    /// HS256 shared secret (at least 8 bytes). Never printed.
-    #[arg(long = "jwt-secret", env = "TALLY_JWT_SECRET", hide_env_values = true)]
-    pub secret: Option<Secret>,
-
-    /// PEM public key file that verifies RS256/ES256 tokens.
-    #[arg(long = "jwt-public-key", env = "TALLY_JWT_PUBLIC_KEY")]
-    pub public_key: Option<PathBuf>,
-
-    /// PEM private key file that `tally token` signs RS256/ES256 tokens with.
-    #[arg(long = "jwt-private-key", env = "TALLY_JWT_PRIVATE_KEY")]
-    pub private_key: Option<PathBuf>,
-
-    /// Required `iss` claim, if set.
-    #[arg(long = "jwt-issuer", env = "TALLY_JWT_ISSUER")]
-    pub issuer: Option<String>,
-
-    /// Required `aud` claim, if set.
-    #[arg(long = "jwt-audience", env = "TALLY_JWT_AUDIENCE")]
-    pub audience: Option<String>,
-}
-
-impl AuthConfig {
-    pub fn hs256(secret: &str) -> AuthConfig {
-        AuthConfig {
-            algorithm: JwtAlgorithm::Hs256,
-            secret: Some(Secret::new(secret)),
-            public_key: None,
-            private_key: None,
-            issuer: None,
-            audience: None,
-        }
-    }
-}
-
-/// The claims tally reads. Others are allowed and ignored.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Claims {
-    pub sub: String,
-    pub exp: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nbf: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iss: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub aud: Option<String>,
-    /// Roles; `admin` may run the online reconcile.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub roles: Vec<String>,
-}
-
-/// An authenticated caller.
-#[derive(Debug, Clone)]
-pub struct Caller {
-    pub user: UserId,
-    pub admin: bool,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum AuthError {
-    #[error("missing bearer token")]
-    Missing,
-    #[error("the Authorization header must be `Bearer <token>`")]
-    Malformed,
-    #[error("invalid token: {0}")]
-    Invalid(String),
-}
 
 /// Verifies tokens with one pinned algorithm and key.
 pub struct Verifier {
@@ -157,8 +27,7 @@ impl Verifier {
                     .public_key
                     .as_ref()
                     .context("RS256/ES256 need --jwt-public-key")?;
-                let pem = std::fs::read(path)
-                    .with_context(|| format!("Failed to read {}", path.display()))?;
+                let pem = super::read_pem(path)?;
                 match alg {
                     JwtAlgorithm::Rs256 => DecodingKey::from_rsa_pem(&pem),
                     _ => DecodingKey::from_ec_pem(&pem),
@@ -215,72 +84,14 @@ impl Verifier {
     }
 }
 
-/// Signs a token for development and tests (`tally token`).
-pub fn mint(
-    config: &AuthConfig,
-    sub: &str,
-    ttl: Duration,
-    roles: Vec<String>,
-) -> anyhow::Result<String> {
-    UserId::parse(sub).map_err(|e| anyhow::anyhow!("--sub: {e}"))?;
-    let key = match config.algorithm {
-        JwtAlgorithm::Hs256 => {
-            let secret = config
-                .secret
-                .as_ref()
-                .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
-            EncodingKey::from_secret(secret.expose().as_bytes())
-        }
-        alg => {
-            let Some(path) = config.private_key.as_ref() else {
-                bail!("signing {alg:?} tokens needs --jwt-private-key");
-            };
-            let pem = std::fs::read(path)
-                .with_context(|| format!("Failed to read {}", path.display()))?;
-            match alg {
-                JwtAlgorithm::Rs256 => EncodingKey::from_rsa_pem(&pem),
-                _ => EncodingKey::from_ec_pem(&pem),
-            }
-            .with_context(|| format!("{} is not a PEM private key for {alg:?}", path.display()))?
-        }
-    };
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let claims = Claims {
-        sub: sub.to_owned(),
-        exp: (now + ttl).as_secs(),
-        nbf: None,
-        iss: config.issuer.clone(),
-        aud: config.audience.clone(),
-        roles,
-    };
-    jsonwebtoken::encode(&Header::new(config.algorithm.algorithm()), &claims, &key)
-        .context("Failed to sign the token")
-}
-
-/// `tally token`: prints a development token.
-#[derive(clap::Args, Debug)]
-pub struct TokenArgs {
-    #[command(flatten)]
-    pub auth: AuthConfig,
-
-    /// The user the token names (its `sub`).
-    #[arg(long)]
-    pub sub: String,
-
-    /// How long the token is valid, e.g. `1h`, `30m`, `7d`.
-    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
-    pub ttl: Duration,
-
-    /// A role to grant, e.g. `admin` (repeatable).
-    #[arg(long = "role")]
-    pub roles: Vec<String>,
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use jsonwebtoken::{Algorithm, EncodingKey, Header};
+
     use super::*;
+    use crate::auth::mint;
 
     const SECRET: &str = "unit-test-secret";
 
@@ -351,7 +162,7 @@ mod tests {
     fn an_hs256_token_signed_with_the_rs256_public_key_is_refused() {
         // The classic confusion attack: the server verifies RS256 with a
         // public key; the attacker HMACs a token with that public key.
-        let pem = include_bytes!("auth_test_rsa.pub.pem");
+        let pem = include_bytes!("test_rsa.pub.pem");
         let path = std::env::temp_dir().join(format!("tally-rs256-{}.pem", std::process::id()));
         std::fs::write(&path, pem).unwrap_or_else(|e| panic!("{e}"));
         let config = AuthConfig {

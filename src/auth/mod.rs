@@ -1,0 +1,148 @@
+//! Bearer tokens: who is voting. The user is the verified token's `sub`,
+//! never a field of the request. `verify` checks tokens; `mint` makes them
+//! for development (`tally token`). Both read keys through `read_pem`.
+
+mod mint;
+mod verify;
+
+pub use mint::{TokenArgs, mint};
+pub use verify::Verifier;
+
+use std::fmt;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use jsonwebtoken::Algorithm;
+use serde::{Deserialize, Serialize};
+
+use crate::domain::UserId;
+
+/// A secret that never prints.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.len() < 8 {
+            return Err("the JWT secret must be at least 8 bytes".into());
+        }
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JwtAlgorithm {
+    #[value(name = "HS256")]
+    Hs256,
+    #[value(name = "RS256")]
+    Rs256,
+    #[value(name = "ES256")]
+    Es256,
+}
+
+impl JwtAlgorithm {
+    fn algorithm(self) -> Algorithm {
+        match self {
+            JwtAlgorithm::Hs256 => Algorithm::HS256,
+            JwtAlgorithm::Rs256 => Algorithm::RS256,
+            JwtAlgorithm::Es256 => Algorithm::ES256,
+        }
+    }
+}
+
+/// How tokens are checked (and, for `tally token`, made).
+#[derive(clap::Args, Debug, Clone)]
+pub struct AuthConfig {
+    /// Token algorithm. Tokens signed any other way (including `alg: none`) are refused.
+    #[arg(long = "jwt-algorithm", env = "TALLY_JWT_ALGORITHM", value_enum, default_value_t = JwtAlgorithm::Hs256)]
+    pub algorithm: JwtAlgorithm,
+
+    /// HS256 shared secret (at least 8 bytes). Never printed.
+    #[arg(long = "jwt-secret", env = "TALLY_JWT_SECRET", hide_env_values = true)]
+    pub secret: Option<Secret>,
+
+    /// PEM public key file that verifies RS256/ES256 tokens.
+    #[arg(long = "jwt-public-key", env = "TALLY_JWT_PUBLIC_KEY")]
+    pub public_key: Option<PathBuf>,
+
+    /// PEM private key file that `tally token` signs RS256/ES256 tokens with.
+    #[arg(long = "jwt-private-key", env = "TALLY_JWT_PRIVATE_KEY")]
+    pub private_key: Option<PathBuf>,
+
+    /// Required `iss` claim, if set.
+    #[arg(long = "jwt-issuer", env = "TALLY_JWT_ISSUER")]
+    pub issuer: Option<String>,
+
+    /// Required `aud` claim, if set.
+    #[arg(long = "jwt-audience", env = "TALLY_JWT_AUDIENCE")]
+    pub audience: Option<String>,
+}
+
+impl AuthConfig {
+    pub fn hs256(secret: &str) -> AuthConfig {
+        AuthConfig {
+            algorithm: JwtAlgorithm::Hs256,
+            secret: Some(Secret::new(secret)),
+            public_key: None,
+            private_key: None,
+            issuer: None,
+            audience: None,
+        }
+    }
+}
+
+/// The claims tally reads. Others are allowed and ignored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Claims {
+    pub sub: String,
+    pub exp: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iss: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aud: Option<String>,
+    /// Roles; `admin` may run the online reconcile.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub roles: Vec<String>,
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub user: UserId,
+    pub admin: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("missing bearer token")]
+    Missing,
+    #[error("the Authorization header must be `Bearer <token>`")]
+    Malformed,
+    #[error("invalid token: {0}")]
+    Invalid(String),
+}
+
+/// Reads a PEM key file named by a flag.
+fn read_pem(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("Failed to read {}", path.display()))
+}

@@ -1,0 +1,140 @@
+//! The consumer's side of Kafka: a group member that hands out batches of
+//! plain `Received` messages and stores an offset only when told to.
+//!
+//! Auto-commit is on, but offsets are stored by hand
+//! (`enable.auto.offset.store=false`): a message's offset reaches the commit
+//! only after the consumer has written what it means.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::StreamExt;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::BorrowedMessage;
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+use super::KafkaConfig;
+use super::lag::{PartitionLag, Positions};
+
+/// One message as the consumer sees it: no Kafka types leave this module.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    /// When Kafka took the message, in ms since the epoch, if it says.
+    pub timestamp_ms: Option<i64>,
+}
+
+impl Received {
+    fn from_kafka(m: &BorrowedMessage<'_>) -> Received {
+        Received {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            timestamp_ms: m.timestamp().to_millis(),
+        }
+    }
+}
+
+/// A member of the consumer group on the transitions topic.
+#[derive(Clone)]
+pub struct Source {
+    consumer: Arc<StreamConsumer>,
+    topic: String,
+}
+
+impl Source {
+    /// Joins `group` and subscribes to the transitions topic, reading from
+    /// the earliest offset when the group has committed none.
+    pub fn join(config: &KafkaConfig, group: &str) -> anyhow::Result<Source> {
+        let consumer: StreamConsumer = config
+            .client()
+            .set("group.id", group)
+            .set("enable.auto.commit", "true")
+            .set("auto.commit.interval.ms", "1000")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", "10000")
+            .set("heartbeat.interval.ms", "1000")
+            .create()
+            .context("Failed to create the Kafka consumer")?;
+        consumer
+            .subscribe(&[&config.topic])
+            .context("Failed to subscribe")?;
+        Ok(Source {
+            consumer: Arc::new(consumer),
+            topic: config.topic.clone(),
+        })
+    }
+
+    /// Waits for a first message, then takes more until the batch holds
+    /// `max` or `wait` has passed since the first.
+    pub async fn gather(&self, max: u64, wait: Duration) -> Vec<Received> {
+        let mut batch = Vec::new();
+        let mut stream = self.consumer.stream();
+        let deadline = tokio::time::Instant::now() + wait;
+        while (batch.len() as u64) < max {
+            let next = if batch.is_empty() {
+                stream.next().await
+            } else {
+                match tokio::time::timeout_at(deadline, stream.next()).await {
+                    Ok(m) => m,
+                    Err(_) => break,
+                }
+            };
+            match next {
+                Some(Ok(m)) => batch.push(Received::from_kafka(&m)),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "Kafka error while consuming");
+                    if batch.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    break;
+                }
+                None => break,
+            }
+        }
+        batch
+    }
+
+    /// Stores, per partition, the offset after the batch's last message.
+    /// Offsets of partitions revoked meanwhile are refused; their new owner
+    /// replays those messages, which the apply rule makes harmless.
+    pub fn store_offsets(&self, batch: &[Received]) {
+        let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+        for m in batch {
+            let e = next.entry(m.partition).or_insert(0);
+            *e = (*e).max(m.offset + 1);
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (p, o) in next {
+            if let Err(e) = tpl.add_partition_offset(&self.topic, p, Offset::Offset(o)) {
+                tracing::warn!(partition = p, error = %e, "offset not stored; it will be replayed");
+            }
+        }
+        if let Err(e) = self.consumer.store_offsets(&tpl) {
+            tracing::info!(error = %e, "some offsets not stored (partition revoked?); they will be replayed");
+        }
+    }
+
+    /// Commits what was stored, synchronously, and leaves the group.
+    pub fn leave(&self) {
+        if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
+            tracing::debug!(error = %e, "final commit had nothing to do or failed");
+        }
+        self.consumer.unsubscribe();
+    }
+
+    /// The lag of every partition assigned to this member. Blocking: call it
+    /// from `spawn_blocking`.
+    pub fn lag(&self, positions: &Positions) -> Vec<PartitionLag> {
+        super::lag::measure(&self.consumer, &self.topic, positions)
+    }
+}

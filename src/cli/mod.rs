@@ -1,0 +1,150 @@
+//! The `tally` command line: one binary, one subcommand per role.
+
+mod reconcile;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use crate::api::{ApiConfig, Application};
+use crate::auth::{self, TokenArgs};
+use crate::bus::{self, KafkaConfig};
+use crate::consumer::ConsumerConfig;
+use crate::store::{self, CassandraConfig, migrate::Replication};
+use crate::telemetry::LogFormat;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tally",
+    version,
+    about = "Vote and likes counting: each user's reaction is the truth, every total is derived from it"
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto, global = true)]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve the HTTP vote API (POST /v1/votes, GET /v1/votes/summary).
+    Vote(ApiConfig),
+    /// Count published transitions exactly once into per-target totals.
+    Consumer(ConsumerConfig),
+    /// Recount totals from the per-user rows and repair drift.
+    Reconcile(reconcile::ReconcileArgs),
+    /// Create the keyspace, apply pending CQL migrations, create the Kafka topics.
+    Migrate(MigrateArgs),
+    /// Print a development token signed with the configured key.
+    Token(TokenArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub cassandra: CassandraConfig,
+    #[command(flatten)]
+    pub kafka: KafkaConfig,
+
+    /// Keyspace replication: `simple:N` for one local node, or `DC:N[,DC:N]`
+    /// (NetworkTopologyStrategy) in production, e.g. `dc1:3,dc2:3`.
+    #[arg(long, env = "TALLY_REPLICATION", default_value = "simple:1")]
+    pub replication: Replication,
+
+    /// Partitions of the transitions topic: the most consumers that can share the work.
+    #[arg(long, env = "TALLY_PARTITIONS", default_value_t = 6, value_parser = clap::value_parser!(i32).range(1..=1024))]
+    pub partitions: i32,
+
+    /// Replication factor of the Kafka topics (3 in production).
+    #[arg(long = "topic-replication", env = "TALLY_TOPIC_REPLICATION", default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..=9))]
+    pub topic_replication: i32,
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Migrate(args) => migrate(args).await,
+        Command::Vote(config) => vote(config).await,
+        Command::Token(args) => {
+            println!(
+                "{}",
+                auth::mint(&args.auth, &args.sub, args.ttl, args.roles)?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Consumer(config) => consumer(config).await,
+        Command::Reconcile(args) => reconcile::run(args).await,
+    }
+}
+
+async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
+    let session = store::connect(&args.cassandra).await?;
+    let report = store::migrate::run(&session, &args.cassandra.keyspace, &args.replication).await?;
+    let topics = bus::admin::ensure_topics(&args.kafka, args.partitions, args.topic_replication)
+        .await
+        .context("Failed to create the Kafka topics")?;
+    println!(
+        "keyspace {}: {} migration(s) applied, {} already applied; topics created: {}",
+        args.cassandra.keyspace,
+        report.applied.len(),
+        report.already.len(),
+        if topics.is_empty() {
+            "none (all existed)".to_owned()
+        } else {
+            topics.join(", ")
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn vote(config: ApiConfig) -> anyhow::Result<ExitCode> {
+    let app = Application::build(config.clone()).await?;
+    let host = config
+        .listen
+        .rsplit_once(':')
+        .map_or(config.listen.as_str(), |(h, _)| h);
+    tracing::info!(
+        address = format!("http://{host}:{}", app.port()),
+        "tally vote listening"
+    );
+    app.run_until_stopped()
+        .await
+        .context("The HTTP server failed")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn consumer(config: ConsumerConfig) -> anyhow::Result<ExitCode> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("stop requested; finishing the batch in hand");
+        let _ = stop_tx.send(true);
+    });
+    crate::consumer::run(config, stop_rx, Default::default()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,228 @@
+//! `tally reconcile`: one target, or the rolling sweep with its schedule,
+//! its progress on a terminal, and the report operators read.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::cache::{Cache, RedisConfig};
+use crate::domain::TargetId;
+use crate::reconcile::{Reconciler, SweepOptions, SweepSummary};
+use crate::store::{CassandraConfig, Store};
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["targets", "all"])))]
+pub struct ReconcileArgs {
+    /// Reconcile this target now (repeatable).
+    #[arg(long = "target", value_parser = parse_target)]
+    pub targets: Vec<TargetId>,
+
+    /// Sweep every target in token order, resuming from the checkpoint.
+    #[arg(long)]
+    pub all: bool,
+
+    /// With --all: targets checked per second (0 = as fast as possible).
+    #[arg(long, env = "TALLY_RECONCILE_RATE", default_value_t = 100.0)]
+    pub rate: f64,
+
+    /// Report drift, write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// Print a machine-readable summary on stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Exit with status 3 when any drift was found (for monitoring).
+    #[arg(long)]
+    pub fail_on_drift: bool,
+
+    /// With --all: the checkpoint to resume from and save to.
+    #[arg(long, default_value = "all")]
+    pub checkpoint: String,
+
+    /// With --all: ignore the checkpoint and start from the beginning.
+    #[arg(long)]
+    pub restart: bool,
+
+    /// With --all: a rolling schedule; start again this long after each complete sweep.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub repeat_every: Option<std::time::Duration>,
+
+    #[command(flatten)]
+    pub cassandra: CassandraConfig,
+    #[command(flatten)]
+    pub redis: RedisConfig,
+}
+
+fn parse_target(s: &str) -> Result<TargetId, String> {
+    TargetId::parse(s).map_err(|e| e.to_string())
+}
+
+/// Exit status of `tally reconcile --fail-on-drift` when drift was found.
+const DRIFT_FOUND: u8 = 3;
+
+pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
+    let store = Arc::new(Store::open(&args.cassandra, Duration::from_secs(1)).await?);
+    let cache = Cache::new(&args.redis, Duration::from_secs(60))
+        .inspect_err(|e| tracing::warn!(error = %e, "no cache; repaired targets keep stale cached totals until they expire"))
+        .ok();
+    let reconciler = Reconciler::new(store, cache);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let summary = if args.all {
+        sweep_on_schedule(&reconciler, &args, &stop_rx).await?
+    } else {
+        each_target(&reconciler, &args.targets, args.dry_run).await?
+    };
+    if args.json {
+        println!("{}", json_report(&summary, args.dry_run));
+    } else {
+        print!("{}", text_report(&summary));
+    }
+    Ok(if args.fail_on_drift && summary.targets_drifted > 0 {
+        ExitCode::from(DRIFT_FOUND)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+async fn each_target(
+    reconciler: &Reconciler,
+    targets: &[TargetId],
+    dry_run: bool,
+) -> anyhow::Result<SweepSummary> {
+    let mut summary = SweepSummary {
+        complete: true,
+        ..SweepSummary::default()
+    };
+    for target in targets {
+        let report = reconciler.target(target, dry_run).await?;
+        summary.targets_checked += 1;
+        if report.drifted {
+            summary.targets_drifted += 1;
+            summary.corrections.push(report);
+        }
+    }
+    Ok(summary)
+}
+
+/// One sweep, or with `--repeat-every` a sweep after each pause, until a
+/// stop. Returns the last sweep's summary.
+async fn sweep_on_schedule(
+    reconciler: &Reconciler,
+    args: &ReconcileArgs,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<SweepSummary> {
+    let options = SweepOptions {
+        // A dry run must not move the real sweep's resume point.
+        name: if args.dry_run {
+            format!("{}.dry-run", args.checkpoint)
+        } else {
+            args.checkpoint.clone()
+        },
+        rate: args.rate,
+        dry_run: args.dry_run,
+        restart: args.restart,
+        page_size: 100,
+    };
+    loop {
+        let summary = sweep_with_progress(reconciler, &options, stop).await?;
+        let (Some(pause), true) = (args.repeat_every, summary.complete) else {
+            return Ok(summary);
+        };
+        tracing::info!(
+            checked = summary.targets_checked,
+            drifted = summary.targets_drifted,
+            "sweep complete; next in {}",
+            humantime::format_duration(pause)
+        );
+        let mut stop = stop.clone();
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => return Ok(summary),
+        }
+    }
+}
+
+fn json_report(summary: &SweepSummary, dry_run: bool) -> serde_json::Value {
+    serde_json::json!({
+        "targets_checked": summary.targets_checked,
+        "targets_drifted": summary.targets_drifted,
+        "dry_run": dry_run,
+        "complete": summary.complete,
+        "resumed_from_token": summary.resumed_from,
+        "corrections": summary.corrections,
+    })
+}
+
+/// What an operator reads: one line per correction, then the count.
+fn text_report(summary: &SweepSummary) -> String {
+    let mut out = String::new();
+    for r in &summary.corrections {
+        let done = if r.repaired {
+            "repaired"
+        } else {
+            "not repaired (dry run)"
+        };
+        out += &format!(
+            "{}: {} -> {}, {} user(s) behind, {done}\n",
+            r.target_id, r.totals_before, r.totals_after, r.users_behind
+        );
+    }
+    let interrupted = if summary.complete {
+        ""
+    } else {
+        " (interrupted; run again to resume)"
+    };
+    out += &format!(
+        "checked {} target(s), {} drifted{interrupted}\n",
+        summary.targets_checked, summary.targets_drifted
+    );
+    out
+}
+
+/// A progress bar on a terminal, a log line every 10 s otherwise.
+async fn sweep_with_progress(
+    reconciler: &Reconciler,
+    options: &SweepOptions,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<SweepSummary> {
+    let tty = std::io::stderr().is_terminal();
+    let mut last_log = Instant::now();
+    let summary = reconciler
+        .sweep(options, stop, |status| {
+            let c = status.checkpoint;
+            if tty {
+                let filled = ((status.fraction * 30.0).round() as usize).min(30);
+                eprint!(
+                    "\r[{}{}] {:5.1}%  {} checked, {} drifted ",
+                    "#".repeat(filled),
+                    " ".repeat(30 - filled),
+                    status.fraction * 100.0,
+                    c.checked,
+                    c.drifted
+                );
+                let _ = std::io::stderr().flush();
+            } else if last_log.elapsed() >= Duration::from_secs(10) {
+                last_log = Instant::now();
+                tracing::info!(
+                    checked = c.checked,
+                    drifted = c.drifted,
+                    progress = format!("{:.1}%", status.fraction * 100.0),
+                    "reconcile sweep"
+                );
+            }
+        })
+        .await?;
+    if tty {
+        eprintln!();
+    }
+    Ok(summary)
+}

@@ -1,0 +1,155 @@
+//! The fenced write: how the consumer and reconcile change one target's
+//! durable totals without ever interleaving with another writer.
+//!
+//! One round reads the head (the `seq` fence and the totals), then the
+//! applied rows, lets the writer fold what it knows into them, and writes the
+//! result conditioned on the `seq` it read. The rows are read after the head,
+//! never beside it: a writer that lands between the two reads has moved the
+//! fence, so the stale view is refused instead of written. A lost fence, or a
+//! write whose outcome is unknown, starts a new round at LOCAL_SERIAL, which
+//! completes any Paxos round still in flight; a write that did land shows up
+//! there as versions already applied.
+
+use std::collections::HashMap;
+
+use crate::domain::{Applied, TargetId, TargetType, Totals, UserId};
+use crate::store::stats::{FencedWrite, Head, ReadAt, Stats};
+use crate::store::{Cas, StoreError};
+
+/// Most users one fenced write may carry, keeping the batch well under
+/// Cassandra's batch size limits. A writer with more writes in chunks, each
+/// self-consistent (its totals include exactly the users it records).
+pub const MAX_USERS_PER_WRITE: usize = 200;
+
+/// Whose applied rows a round reads.
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    Users(&'a [&'a UserId]),
+    Everyone,
+}
+
+/// What one round read: the head, then the applied rows in scope.
+#[derive(Debug, Clone)]
+pub struct Read {
+    pub head: Head,
+    pub applied: HashMap<UserId, Applied>,
+}
+
+/// What a writer decided, given a round's read.
+#[derive(Debug, Clone)]
+pub enum Step {
+    /// Nothing to write: the read already says what the writer knows.
+    Settled,
+    /// Write these totals and rows. `more` asks for another round after it
+    /// lands (a writer with more than one chunk to write).
+    Write {
+        totals: Totals,
+        target_type: Option<TargetType>,
+        users: Vec<(UserId, Applied)>,
+        more: bool,
+    },
+}
+
+/// A writer folds its knowledge into a round's read. `fold` runs once per
+/// round, so whatever it learns must be recomputed from each read; it may
+/// read more (reconcile reads the per-user truth there, after the stats).
+pub trait Fold {
+    fn fold(
+        &mut self,
+        target: &TargetId,
+        read: Read,
+    ) -> impl Future<Output = Result<Step, StoreError>>;
+}
+
+/// How a fenced write ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The last step was a write, and it landed.
+    Written,
+    /// A round found nothing (more) to write.
+    Settled,
+    /// The fence was lost `max_lost` times; nothing more was written.
+    Contended,
+}
+
+/// How a fenced write went: its ending and what it cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fenced {
+    pub ending: Ending,
+    /// Writes that landed.
+    pub writes: u32,
+    /// Rounds that lost the fence or could not tell whether they landed.
+    pub lost: u32,
+    /// CQL requests made: two reads per round and one per write attempt.
+    pub requests: u64,
+}
+
+/// Runs rounds until the writer settles, its last write lands, or the fence
+/// is lost `max_lost` times (`None`: never give up). A store error ends it at
+/// once; what landed before stays landed, and is self-consistent.
+pub async fn write(
+    stats: &Stats,
+    target: &TargetId,
+    scope: Scope<'_>,
+    max_lost: Option<u32>,
+    writer: &mut impl Fold,
+) -> Result<Fenced, StoreError> {
+    let mut at = ReadAt::Quorum;
+    let mut done = Fenced {
+        ending: Ending::Settled,
+        writes: 0,
+        lost: 0,
+        requests: 0,
+    };
+    loop {
+        if max_lost.is_some_and(|max| done.lost >= max) {
+            done.ending = Ending::Contended;
+            return Ok(done);
+        }
+        let head = stats.head(target, at).await?;
+        let applied = match scope {
+            Scope::Users(users) => stats.applied_of(target, users).await?,
+            Scope::Everyone => stats.applied_all(target).await?,
+        };
+        done.requests += 2;
+        let Step::Write {
+            totals,
+            target_type,
+            users,
+            more,
+        } = writer.fold(target, Read { head, applied }).await?
+        else {
+            done.ending = Ending::Settled;
+            return Ok(done);
+        };
+        let proposal = FencedWrite {
+            read_seq: head.seq,
+            totals,
+            target_type,
+            users: &users,
+        };
+        let outcome = stats.write(target, &proposal).await;
+        done.requests += 1;
+        crate::metrics::cas("stats", &outcome);
+        match outcome {
+            Cas::Applied => {
+                done.writes += 1;
+                if !more {
+                    done.ending = Ending::Written;
+                    return Ok(done);
+                }
+                at = ReadAt::Quorum;
+            }
+            Cas::NotApplied => {
+                done.lost += 1;
+                at = ReadAt::Serial;
+            }
+            Cas::Unknown(e) => {
+                tracing::warn!(target_id = %target, error = format!("{e:#}"), "stats write outcome unknown; re-reading at SERIAL");
+                done.lost += 1;
+                at = ReadAt::Serial;
+            }
+            Cas::Failed(e) => return Err(StoreError::Request(e)),
+        }
+    }
+}
