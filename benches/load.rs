@@ -17,65 +17,27 @@
 //! to the per-event baseline, default 60), TALLY_BENCH_E2E_SECS (per rate
 //! step, default 10). Results: stdout (Markdown), target/tally-bench/.
 
+#[path = "load/report.rs"]
+mod report;
 #[path = "support/mod.rs"]
 mod support;
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-use support::{Percentiles, Zipf, bench_env, histogram, percentiles};
-use tally::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
+use report::{ConsumerRun, RateStep, Results, StoreRun};
+use support::{Zipf, bench_env, histogram, percentiles};
+use tally::domain::{Reaction, TargetId, UserId};
 use tally::store::Cas;
 use tally::store::Store;
-use tally::store::reactions::{Change, KeyRecord};
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct StoreRun {
-    name: String,
-    ops_per_sec: f64,
-    latency_ms: Percentiles,
-    cas_unknown: u64,
-    conflicts: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct ConsumerRun {
-    mode: String,
-    events: u64,
-    seconds: f64,
-    events_per_sec: f64,
-    requests_per_event: f64,
-    fenced_writes: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct RateStep {
-    rate: u64,
-    achieved: f64,
-    latency_ms: Percentiles,
-    errors: u64,
-}
-
-#[derive(Debug, Default, Serialize)]
-struct Results {
-    date: String,
-    commit: String,
-    store: Vec<StoreRun>,
-    consumer: Vec<ConsumerRun>,
-    e2e_writes: Vec<RateStep>,
-    e2e_reads: Vec<RateStep>,
-    e2e_closed_loop_writes: Option<StoreRun>,
 }
 
 fn main() {
@@ -111,7 +73,7 @@ fn main() {
             e2e_section(&mut results).await;
         }
     });
-    report(&results);
+    report::report(&results);
 }
 
 // ---------------------------------------------------------------- store
@@ -164,7 +126,12 @@ async fn store_section(results: &mut Results) {
                     };
                     let start = Instant::now();
                     if lwt {
-                        match lwt_vote(&store, &user, &target, w * 1_000_000 + n).await {
+                        let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
+                        {
+                            (Ok(u), Ok(t)) => (u, t),
+                            _ => panic!("bad ids {user} {target}"),
+                        };
+                        match support::lwt_vote(&store, &user, &target, w * 1_000_000 + n).await {
                             Cas::Applied => {}
                             Cas::NotApplied => {
                                 conflicts.fetch_add(1, Ordering::Relaxed);
@@ -205,42 +172,6 @@ async fn store_section(results: &mut Results) {
     env.drop_all().await;
 }
 
-/// One vote through the store, as `cast` does it: the snapshot read, then the
-/// conditional batch with an idempotency record.
-async fn lwt_vote(store: &Store, user: &str, target: &str, n: u64) -> Cas {
-    let (user, target) = (
-        UserId::parse(user).unwrap_or_else(|e| panic!("{e}")),
-        TargetId::parse(target).unwrap_or_else(|e| panic!("{e}")),
-    );
-    let key = IdempotencyKey::parse(&format!("k{n}")).unwrap_or_else(|e| panic!("{e}"));
-    let snap = match store.reactions.snapshot(&user, &target, &key, false).await {
-        Ok(s) => s,
-        Err(e) => return Cas::Unknown(e.into()),
-    };
-    let from = snap.current.map_or(Reaction::None, |c| c.state);
-    let to = if from == Reaction::Like {
-        Reaction::Dislike
-    } else {
-        Reaction::Like
-    };
-    let record = KeyRecord {
-        request_hash: "h".into(),
-        owner: uuid::Uuid::new_v4(),
-        status: 200,
-        body: "{}".into(),
-    };
-    let change = Change {
-        user: &user,
-        target: &target,
-        target_type: TargetType::Video,
-        expected: snap.current.map(|c| c.version),
-        to,
-        key: &key,
-        record: &record,
-    };
-    store.reactions.commit(&change).await
-}
-
 // ---------------------------------------------------------------- consumer
 
 async fn consumer_section(results: &mut Results) {
@@ -269,7 +200,8 @@ async fn consumer_section(results: &mut Results) {
             .copied()
             .unwrap_or((0, Reaction::None));
         let to = Reaction::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|r| *r != from)
             .nth(zipf.below(2) as usize)
             .unwrap_or(Reaction::Like);
@@ -326,9 +258,11 @@ async fn consumer_section(results: &mut Results) {
             drain_timeout: Duration::from_secs(30),
             mode,
             listen: "127.0.0.1:0".into(),
-            cassandra: cassandra.clone(),
-            kafka: env.kafka.clone(),
-            redis: env.redis.clone(),
+            stores: tally::ops::Stores {
+                cassandra: cassandra.clone(),
+                kafka: env.kafka.clone(),
+                redis: env.redis.clone(),
+            },
         };
         let (stop, rx) = tokio::sync::watch::channel(false);
         let progress = Arc::new(tally::consumer::Progress::default());
@@ -378,9 +312,11 @@ async fn e2e_section(results: &mut Results) {
             min: Duration::from_secs(60),
             max: Duration::from_secs(3600),
         },
-        cassandra: env.cassandra.clone(),
-        kafka: env.kafka.clone(),
-        redis: env.redis.clone(),
+        stores: tally::ops::Stores {
+            cassandra: env.cassandra.clone(),
+            kafka: env.kafka.clone(),
+            redis: env.redis.clone(),
+        },
     };
     let app = tally::api::Application::build(api)
         .await
@@ -396,9 +332,11 @@ async fn e2e_section(results: &mut Results) {
         drain_timeout: Duration::from_secs(30),
         mode: tally::consumer::WriteMode::Batched,
         listen: "127.0.0.1:0".into(),
-        cassandra: env.cassandra.clone(),
-        kafka: env.kafka.clone(),
-        redis: env.redis.clone(),
+        stores: tally::ops::Stores {
+            cassandra: env.cassandra.clone(),
+            kafka: env.kafka.clone(),
+            redis: env.redis.clone(),
+        },
     };
     let consumer = tokio::spawn(tally::consumer::run(consumer_config, rx, Arc::default()));
 
@@ -579,177 +517,4 @@ where
         latency_ms: percentiles(&h),
         errors,
     }
-}
-
-// ---------------------------------------------------------------- report
-
-fn report(r: &Results) {
-    let mut md = String::new();
-    let _ = writeln!(md, "Run {} at commit {}\n", r.date, r.commit);
-    if !r.store.is_empty() {
-        let _ = writeln!(
-            md,
-            "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts |\n|---|---:|---:|---:|---:|---:|---:|"
-        );
-        for s in &r.store {
-            let l = s.latency_ms;
-            let _ = writeln!(
-                md,
-                "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |",
-                s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts
-            );
-        }
-        if let [upsert, uniform, hot] = &r.store[..] {
-            let _ = writeln!(
-                md,
-                "\nLWT vs upsert throughput: {:.2}x; LWT p95 / upsert p95: {:.2}x; hot / uniform throughput: {:.2}x\n",
-                uniform.ops_per_sec / upsert.ops_per_sec,
-                uniform.latency_ms.p95 / upsert.latency_ms.p95,
-                hot.ops_per_sec / uniform.ops_per_sec
-            );
-        }
-    }
-    if !r.consumer.is_empty() {
-        let _ = writeln!(
-            md,
-            "| consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---:|---:|---:|---:|---:|"
-        );
-        for c in &r.consumer {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {:.1} | {:.0} | {:.3} | {} |",
-                c.mode,
-                c.events,
-                c.seconds,
-                c.events_per_sec,
-                c.requests_per_event,
-                c.fenced_writes
-            );
-        }
-        if let [batched, per_event] = &r.consumer[..] {
-            let _ = writeln!(
-                md,
-                "\nBatched vs per-event: {:.1}x the events/s, {:.1}x fewer requests per event\n",
-                batched.events_per_sec / per_event.events_per_sec,
-                per_event.requests_per_event / batched.requests_per_event
-            );
-        }
-    }
-    for (name, steps, target) in [
-        ("writes (POST /v1/votes)", &r.e2e_writes, 100.0),
-        ("reads (summary, 21 ids)", &r.e2e_reads, 20.0),
-    ] {
-        if steps.is_empty() {
-            continue;
-        }
-        let _ = writeln!(
-            md,
-            "| e2e {name}, open loop | target/s | achieved/s | p50 ms | p95 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|---:|"
-        );
-        for s in steps.iter() {
-            let l = s.latency_ms;
-            let _ = writeln!(
-                md,
-                "| | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |",
-                s.rate, s.achieved, l.p50, l.p95, l.p99, s.errors
-            );
-        }
-        let best = steps
-            .iter()
-            .filter(|s| {
-                s.latency_ms.p95 < target && (s.errors as f64) < 0.01 * s.latency_ms.count as f64
-            })
-            .map(|s| s.rate)
-            .max();
-        let _ = writeln!(
-            md,
-            "\nHighest rate with p95 under {target} ms: {}\n",
-            best.map_or("none tried".into(), |b| format!("{b}/s"))
-        );
-    }
-    if let (Some(api), Some(bare)) = (&r.e2e_closed_loop_writes, r.store.get(1)) {
-        let _ = writeln!(
-            md,
-            "Vote API closed loop (64 in flight): {:.0} votes/s, p95 {:.1} ms, {} errors; store bare LWT rate {:.0}/s; API / store: {:.2}x",
-            api.ops_per_sec,
-            api.latency_ms.p95,
-            api.conflicts,
-            bare.ops_per_sec,
-            api.ops_per_sec / bare.ops_per_sec
-        );
-    }
-    println!("{md}");
-
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tally-bench");
-    let _ = std::fs::create_dir_all(&dir);
-    let _ = std::fs::write(
-        dir.join("results.json"),
-        serde_json::to_string_pretty(r).unwrap_or_default(),
-    );
-    let _ = std::fs::write(dir.join("results.md"), &md);
-    let _ = std::fs::write(dir.join("latency.svg"), svg(r));
-    eprintln!("results in {}", dir.display());
-}
-
-/// Latency percentiles of every measured scenario as grouped bars.
-fn svg(r: &Results) -> String {
-    let mut rows: Vec<(String, Percentiles)> = r
-        .store
-        .iter()
-        .map(|s| (format!("store: {}", s.name), s.latency_ms))
-        .collect();
-    if let Some(api) = &r.e2e_closed_loop_writes {
-        rows.push(("API writes, 64 in flight".into(), api.latency_ms));
-    }
-    for (name, steps, target) in [
-        ("API writes", &r.e2e_writes, 100.0),
-        ("API reads (21 ids)", &r.e2e_reads, 20.0),
-    ] {
-        if let Some(best) = steps
-            .iter()
-            .filter(|s| s.latency_ms.p95 < target)
-            .max_by_key(|s| s.rate)
-        {
-            rows.push((
-                format!("{name}, open loop {}/s", best.rate),
-                best.latency_ms,
-            ));
-        }
-    }
-    let max = rows.iter().map(|(_, p)| p.p99).fold(1.0, f64::max);
-    let (width, row_h, left) = (900.0, 54.0, 330.0);
-    let height = 60.0 + row_h * rows.len() as f64;
-    let mut s = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif' font-size='12'>\n\
-         <text x='10' y='20' font-size='14'>Latency percentiles, ms (p50 / p95 / p99), {} at {}</text>\n",
-        r.date, r.commit
-    );
-    for (i, (name, p)) in rows.iter().enumerate() {
-        let y = 40.0 + i as f64 * row_h;
-        let _ = writeln!(
-            s,
-            "<text x='10' y='{:.0}'>{}</text>",
-            y + 20.0,
-            name.replace('&', "and").replace('<', "(").replace('>', ")")
-        );
-        for (j, (label, v, color)) in [
-            ("p50", p.p50, "#4c78a8"),
-            ("p95", p.p95, "#f58518"),
-            ("p99", p.p99, "#e45756"),
-        ]
-        .iter()
-        .enumerate()
-        {
-            let w = (v / max * (width - left - 80.0)).max(1.0);
-            let by = y + j as f64 * 14.0;
-            let _ = writeln!(
-                s,
-                "<rect x='{left}' y='{by:.0}' width='{w:.1}' height='12' fill='{color}'/><text x='{:.1}' y='{:.0}'>{label} {v:.1}</text>",
-                left + w + 4.0,
-                by + 10.0
-            );
-        }
-    }
-    s.push_str("</svg>\n");
-    s
 }

@@ -11,47 +11,17 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use tally::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
+use tally::domain::{TargetId, UserId};
 use tally::store::Cas;
 use tally::store::Store;
-use tally::store::reactions::{Change, KeyRecord};
 
 fn id<T>(r: Result<T, tally::domain::IdError>) -> T {
     r.unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// One vote; with one writer in flight it cannot lose a race.
 async fn lwt_vote(store: &Store, user: &UserId, target: &TargetId, n: u64) {
-    let key = id(IdempotencyKey::parse(&format!(
-        "k{n}-{}",
-        uuid::Uuid::new_v4().simple()
-    )));
-    let snap = store
-        .reactions
-        .snapshot(user, target, &key, false)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let from = snap.current.map_or(Reaction::None, |c| c.state);
-    let to = if from == Reaction::Like {
-        Reaction::None
-    } else {
-        Reaction::Like
-    };
-    let record = KeyRecord {
-        request_hash: "h".into(),
-        owner: uuid::Uuid::new_v4(),
-        status: 200,
-        body: "{}".into(),
-    };
-    let change = Change {
-        user,
-        target,
-        target_type: TargetType::Video,
-        expected: snap.current.map(|c| c.version),
-        to,
-        key: &key,
-        record: &record,
-    };
-    match store.reactions.commit(&change).await {
+    match support::lwt_vote(store, user, target, n).await {
         Cas::Applied => {}
         other => panic!("one writer in flight cannot lose: {other:?}"),
     }

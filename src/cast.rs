@@ -52,8 +52,8 @@ pub struct Answer {
 #[derive(Serialize)]
 struct Body<'a> {
     target_id: &'a str,
-    likes: i64,
-    dislikes: i64,
+    #[serde(flatten)]
+    totals: Totals,
     user_state: Reaction,
 }
 
@@ -65,8 +65,7 @@ fn now_rfc3339() -> String {
 fn body(target: &TargetId, totals: Totals, state: Reaction) -> Result<String, CastError> {
     let b = Body {
         target_id: target.as_str(),
-        likes: totals.likes,
-        dislikes: totals.dislikes,
+        totals,
         user_state: state,
     };
     serde_json::to_string(&b).map_err(|e| CastError::Unexpected(e.into()))

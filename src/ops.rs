@@ -12,8 +12,20 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
 use crate::bus::{self, KafkaConfig};
-use crate::cache::Cache;
-use crate::store::Store;
+use crate::cache::{Cache, RedisConfig};
+use crate::store::{CassandraConfig, Store};
+
+/// Where the three stores are. Every long-running role (the API, the
+/// consumer) talks to all of them and reports whether each answers.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Stores {
+    #[command(flatten)]
+    pub cassandra: CassandraConfig,
+    #[command(flatten)]
+    pub kafka: KafkaConfig,
+    #[command(flatten)]
+    pub redis: RedisConfig,
+}
 
 /// Checks each dependency with a short timeout.
 #[derive(Clone)]

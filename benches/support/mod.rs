@@ -69,42 +69,54 @@ impl BenchEnv {
     }
 }
 
-/// Zipf(s) over 0..n by inverse CDF, driven by a small deterministic LCG.
-pub struct Zipf {
-    cdf: Vec<f64>,
-    state: u64,
-}
+/// The tests' one generator and Zipf, shared rather than copied.
+#[path = "../../tests/it/support/rng.rs"]
+pub mod rng;
+#[allow(unused_imports)]
+pub use rng::Zipf;
 
-impl Zipf {
-    pub fn new(n: usize, s: f64, seed: u64) -> Zipf {
-        let mut cdf = Vec::with_capacity(n);
-        let mut sum = 0.0;
-        for k in 1..=n {
-            sum += 1.0 / (k as f64).powf(s);
-            cdf.push(sum);
-        }
-        for c in &mut cdf {
-            *c /= sum;
-        }
-        Zipf { cdf, state: seed }
-    }
-
-    pub fn uniform(&mut self) -> f64 {
-        self.state = self
-            .state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.state >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        (self.uniform() * n as f64) as u64 % n.max(1)
-    }
-
-    pub fn sample(&mut self) -> usize {
-        let u = self.uniform();
-        self.cdf.partition_point(|c| *c < u).min(self.cdf.len() - 1)
-    }
+/// One vote through the store code the API uses: the snapshot read, then
+/// the conditional batch (the change and its idempotency record), flipping
+/// the user between like and dislike. `n` makes the key unique.
+pub async fn lwt_vote(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    n: u64,
+) -> tally::store::Cas {
+    use tally::domain::{IdempotencyKey, Reaction, TargetType};
+    use tally::store::Cas;
+    use tally::store::reactions::{Change, KeyRecord};
+    let key = match IdempotencyKey::parse(&format!("k{n}-{}", uuid::Uuid::new_v4().simple())) {
+        Ok(k) => k,
+        Err(e) => return Cas::Failed(e.into()),
+    };
+    let snap = match store.reactions.snapshot(user, target, &key, false).await {
+        Ok(s) => s,
+        Err(e) => return Cas::Unknown(e.into()),
+    };
+    let from = snap.current.map_or(Reaction::None, |c| c.state);
+    let to = if from == Reaction::Like {
+        Reaction::Dislike
+    } else {
+        Reaction::Like
+    };
+    let record = KeyRecord {
+        request_hash: "h".into(),
+        owner: uuid::Uuid::new_v4(),
+        status: 200,
+        body: "{}".into(),
+    };
+    let change = Change {
+        user,
+        target,
+        target_type: TargetType::Video,
+        expected: snap.current.map(|c| c.version),
+        to,
+        key: &key,
+        record: &record,
+    };
+    store.reactions.commit(&change).await
 }
 
 /// Latency percentiles in milliseconds, from a histogram of microseconds.

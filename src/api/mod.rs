@@ -5,6 +5,7 @@ pub mod admin;
 mod caller;
 pub mod error;
 pub mod limit;
+pub mod openapi;
 pub mod summary;
 pub mod votes;
 
@@ -21,14 +22,13 @@ use anyhow::Context;
 use tracing::Instrument;
 
 use crate::auth::{AuthConfig, Verifier};
-use crate::bus::KafkaConfig;
 use crate::bus::publisher::Publisher;
-use crate::cache::{Cache, RedisConfig, TtlPolicy};
+use crate::cache::{Cache, TtlPolicy};
 use crate::cast::{CastConfig, Caster};
 use crate::counts::Counts;
-use crate::ops::{self, Readiness};
+use crate::ops::{self, Readiness, Stores};
 use crate::reconcile::Reconciler;
-use crate::store::{CassandraConfig, Store};
+use crate::store::Store;
 use error::ApiError;
 
 /// Settings of `tally vote`.
@@ -59,19 +59,11 @@ pub struct ApiConfig {
     pub user_burst: u32,
 
     /// Votes processed at once; more are answered 503 with Retry-After.
-    #[arg(
-        long = "max-in-flight",
-        env = "TALLY_MAX_IN_FLIGHT",
-        default_value_t = 1024
-    )]
+    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
 
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
-    #[arg(
-        long = "consumer-group",
-        env = "TALLY_CONSUMER_GROUP",
-        default_value = "tally-consumer"
-    )]
+    #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
     pub consumer_group: String,
 
     #[command(flatten)]
@@ -79,11 +71,7 @@ pub struct ApiConfig {
     #[command(flatten)]
     pub cache_ttl: TtlPolicy,
     #[command(flatten)]
-    pub cassandra: CassandraConfig,
-    #[command(flatten)]
-    pub kafka: KafkaConfig,
-    #[command(flatten)]
-    pub redis: RedisConfig,
+    pub stores: Stores,
 }
 
 pub struct AppState {
@@ -113,10 +101,10 @@ impl Application {
     /// listener; the server runs once `run_until_stopped` is awaited.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
         let verifier = web::Data::new(Verifier::from_config(&config.auth)?);
-        let store = Arc::new(Store::open(&config.cassandra, config.idempotency_ttl).await?);
-        let cache = Cache::new(&config.redis, config.cache_ttl.min)?;
+        let store = Arc::new(Store::open(&config.stores.cassandra, config.idempotency_ttl).await?);
+        let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
         let counts = Counts::new(cache.clone(), store.clone());
-        let publisher = Publisher::new(&config.kafka, config.publish_timeout)?;
+        let publisher = Publisher::new(&config.stores.kafka, config.publish_timeout)?;
         let caster = Caster::new(
             store.clone(),
             counts.clone(),
@@ -124,8 +112,11 @@ impl Application {
             CastConfig::default(),
         );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
-        let readiness =
-            web::Data::new(Readiness::new(store.clone(), &config.kafka, cache.clone())?);
+        let readiness = web::Data::new(Readiness::new(
+            store.clone(),
+            &config.stores.kafka,
+            cache.clone(),
+        )?);
         let metrics = web::Data::new(crate::metrics::install());
         let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
         let in_flight = tokio::sync::Semaphore::new(config.max_in_flight.max(1));
@@ -140,7 +131,7 @@ impl Application {
 
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
             cache,
-            config.kafka.clone(),
+            config.stores.kafka.clone(),
             config.consumer_group.clone(),
         ));
 
@@ -203,13 +194,10 @@ async fn only_get() -> Result<HttpResponse, ApiError> {
     Err(ApiError::MethodNotAllowed("GET"))
 }
 
-/// The OpenAPI 3.1 description of this API, kept beside the handlers.
-pub const OPENAPI: &str = include_str!("openapi.json");
-
 async fn openapi() -> HttpResponse {
     HttpResponse::Ok()
         .content_type("application/json")
-        .body(OPENAPI)
+        .body(openapi::document())
 }
 
 /// Around every request: its id (echoed back, on every log line of the

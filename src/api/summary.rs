@@ -9,14 +9,14 @@ use serde::Serialize;
 use super::AppState;
 use super::error::ApiError;
 use crate::auth::Caller;
-use crate::domain::{Reaction, TargetId};
+use crate::domain::{Reaction, TargetId, Totals};
 
 pub const MAX_IDS: usize = 100;
 
 #[derive(Serialize)]
 struct Item {
-    likes: i64,
-    dislikes: i64,
+    #[serde(flatten)]
+    totals: Totals,
     user_state: Reaction,
 }
 
@@ -54,14 +54,7 @@ pub async fn summary(
         .zip(totals)
         .map(|(t, totals)| {
             let user_state = states.get(t).copied().unwrap_or(Reaction::None);
-            (
-                t.as_str().to_owned(),
-                Item {
-                    likes: totals.likes,
-                    dislikes: totals.dislikes,
-                    user_state,
-                },
-            )
+            (t.as_str().to_owned(), Item { totals, user_state })
         })
         .collect();
     Ok(HttpResponse::Ok().json(Summary { items }))

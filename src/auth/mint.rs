@@ -17,13 +17,7 @@ pub fn mint(
 ) -> anyhow::Result<String> {
     UserId::parse(sub).map_err(|e| anyhow::anyhow!("--sub: {e}"))?;
     let key = match config.algorithm {
-        JwtAlgorithm::Hs256 => {
-            let secret = config
-                .secret
-                .as_ref()
-                .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
-            EncodingKey::from_secret(secret.expose().as_bytes())
-        }
+        JwtAlgorithm::Hs256 => EncodingKey::from_secret(config.hs256_secret()?),
         alg => {
             let Some(path) = config.private_key.as_ref() else {
                 bail!("signing {alg:?} tokens needs --jwt-private-key");

@@ -107,6 +107,15 @@ impl AuthConfig {
             audience: None,
         }
     }
+
+    /// The HS256 shared secret, which both verifying and signing need.
+    fn hs256_secret(&self) -> anyhow::Result<&[u8]> {
+        let secret = self
+            .secret
+            .as_ref()
+            .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
+        Ok(secret.expose().as_bytes())
+    }
 }
 
 /// The claims tally reads. Others are allowed and ignored.

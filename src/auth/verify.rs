@@ -15,13 +15,7 @@ pub struct Verifier {
 impl Verifier {
     pub fn from_config(config: &AuthConfig) -> anyhow::Result<Verifier> {
         let key = match config.algorithm {
-            JwtAlgorithm::Hs256 => {
-                let secret = config
-                    .secret
-                    .as_ref()
-                    .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
-                DecodingKey::from_secret(secret.expose().as_bytes())
-            }
+            JwtAlgorithm::Hs256 => DecodingKey::from_secret(config.hs256_secret()?),
             alg => {
                 let path = config
                     .public_key

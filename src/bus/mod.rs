@@ -18,11 +18,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 #[derive(clap::Args, Debug, Clone)]
 pub struct KafkaConfig {
     /// Kafka bootstrap servers, comma separated.
-    #[arg(
-        long = "kafka-brokers",
-        env = "TALLY_KAFKA_BROKERS",
-        default_value = "127.0.0.1:9092"
-    )]
+    #[arg(long = "kafka-brokers", env = "TALLY_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,
 
     /// Topic the vote API publishes transitions to, keyed by target id.

@@ -10,25 +10,18 @@ use deadpool_redis::{Config, Pool, Runtime};
 use redis::Script;
 
 use crate::bus::{KafkaConfig, lag};
-use crate::domain::{Delta, TargetId, Totals};
+use crate::domain::reaction::N_COUNTED;
+use crate::domain::{Delta, Reaction, TargetId, Totals};
 
 /// Where Redis is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RedisConfig {
     /// Redis URL of the count cache.
-    #[arg(
-        long = "redis-url",
-        env = "TALLY_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379"
-    )]
+    #[arg(long = "redis-url", env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub url: String,
 
     /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
-    #[arg(
-        long = "redis-prefix",
-        env = "TALLY_REDIS_PREFIX",
-        default_value = "tally"
-    )]
+    #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally")]
     pub prefix: String,
 
     /// Longest one cache operation may take, waiting for a connection
@@ -61,33 +54,56 @@ pub enum CacheError {
     Redis(#[from] redis::RedisError),
     #[error("Redis did not answer within {0:?}")]
     Timeout(Duration),
+    #[error("a cache entry had {0} fields where {N_COUNTED} were expected")]
+    Shape(usize),
 }
 
 /// Moves an existing entry by a delta; an absent entry stays absent, so a
 /// delta can never become a whole count. Served counts never go below zero.
+/// ARGV: n, then n field names, then n moves.
 const APPLY: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local l = redis.call('HINCRBY', KEYS[1], 'l', ARGV[1])
-local d = redis.call('HINCRBY', KEYS[1], 'd', ARGV[2])
-if l < 0 then redis.call('HSET', KEYS[1], 'l', 0); l = 0 end
-if d < 0 then redis.call('HSET', KEYS[1], 'd', 0); d = 0 end
-return {l, d}
+local n = tonumber(ARGV[1])
+local out = {}
+for i = 1, n do
+  local v = redis.call('HINCRBY', KEYS[1], ARGV[1 + i], ARGV[1 + n + i])
+  if v < 0 then redis.call('HSET', KEYS[1], ARGV[1 + i], 0); v = 0 end
+  out[i] = v
+end
+return out
 ";
 
 /// Fills a missing entry from the durable totals (with a TTL), then applies a
 /// delta (zero on the read path). An existing entry is never overwritten, so
 /// a stale durable read cannot push a visible count backwards.
+/// ARGV: n, the TTL, n field names, n durable totals, n moves.
 const FILL_THEN_APPLY: &str = r"
+local n = tonumber(ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'l', ARGV[1], 'd', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  for i = 1, n do redis.call('HSET', KEYS[1], ARGV[2 + i], ARGV[2 + n + i]) end
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
-local l = redis.call('HINCRBY', KEYS[1], 'l', ARGV[4])
-local d = redis.call('HINCRBY', KEYS[1], 'd', ARGV[5])
-if l < 0 then redis.call('HSET', KEYS[1], 'l', 0); l = 0 end
-if d < 0 then redis.call('HSET', KEYS[1], 'd', 0); d = 0 end
-return {l, d}
+local out = {}
+for i = 1, n do
+  local v = redis.call('HINCRBY', KEYS[1], ARGV[2 + i], ARGV[2 + 2 * n + i])
+  if v < 0 then redis.call('HSET', KEYS[1], ARGV[2 + i], 0); v = 0 end
+  out[i] = v
+end
+return out
 ";
+
+/// An entry's fields: one per counted reaction, named after it.
+fn fields() -> impl Iterator<Item = &'static str> {
+    Reaction::COUNTED.iter().map(|r| r.as_str())
+}
+
+/// Totals from the values a script or HMGET returned, in field order.
+fn totals_of(values: Vec<i64>) -> Result<Totals, CacheError> {
+    let n = values.len();
+    <[i64; N_COUNTED]>::try_from(values)
+        .map(Totals::from_values)
+        .map_err(|_| CacheError::Shape(n))
+}
 
 /// The per-target count cache. Entries expire after a TTL that follows the
 /// consumer's lag (see `set_ttl`), and are not refreshed by deltas, so every
@@ -115,7 +131,9 @@ impl Cache {
     }
 
     fn key(&self, target: &TargetId) -> String {
-        format!("{}:t:{}", self.prefix, target.as_str())
+        // `c` for counts; entries of an earlier layout (`t`, fixed fields)
+        // are never read and expire.
+        format!("{}:c:{}", self.prefix, target.as_str())
     }
 
     pub fn ttl(&self) -> Duration {
@@ -145,18 +163,19 @@ impl Cache {
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
         let mut pipe = redis::pipe();
         for t in targets {
-            pipe.cmd("HMGET").arg(self.key(t)).arg("l").arg("d");
+            pipe.cmd("HMGET")
+                .arg(self.key(t))
+                .arg(fields().collect::<Vec<_>>());
         }
-        let rows: Vec<(Option<i64>, Option<i64>)> = self
+        let rows: Vec<Vec<Option<i64>>> = self
             .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
             .await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| match row {
-                (Some(likes), Some(dislikes)) => Some(Totals { likes, dislikes }),
-                _ => None,
+        rows.into_iter()
+            .map(|row| match row.into_iter().collect::<Option<Vec<i64>>>() {
+                Some(values) => totals_of(values).map(Some),
+                None => Ok(None),
             })
-            .collect())
+            .collect()
     }
 
     /// Applies a delta to an existing entry; returns the new totals, or
@@ -167,11 +186,13 @@ impl Cache {
         delta: Delta,
     ) -> Result<Option<Totals>, CacheError> {
         let mut call = self.apply.key(self.key(target));
-        call.arg(delta.likes).arg(delta.dislikes);
-        let r: Option<(i64, i64)> = self
+        call.arg(N_COUNTED)
+            .arg(fields().collect::<Vec<_>>())
+            .arg(&delta.values()[..]);
+        let r: Option<Vec<i64>> = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
-        Ok(r.map(|(likes, dislikes)| Totals { likes, dislikes }))
+        r.map(totals_of).transpose()
     }
 
     /// Fills a missing entry from `durable`, then applies `delta`.
@@ -182,15 +203,15 @@ impl Cache {
         delta: Delta,
     ) -> Result<Totals, CacheError> {
         let mut call = self.fill_then_apply.key(self.key(target));
-        call.arg(durable.likes)
-            .arg(durable.dislikes)
+        call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
-            .arg(delta.likes)
-            .arg(delta.dislikes);
-        let (likes, dislikes): (i64, i64) = self
+            .arg(fields().collect::<Vec<_>>())
+            .arg(&durable.values()[..])
+            .arg(&delta.values()[..]);
+        let values: Vec<i64> = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
-        Ok(Totals { likes, dislikes })
+        totals_of(values)
     }
 
     /// Drops a target's entry, so the next read refills it from the durable totals.

@@ -17,15 +17,15 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use crate::bus::KafkaConfig;
 use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::source::{Received, Source};
-use crate::cache::{Cache, RedisConfig};
+use crate::cache::Cache;
 use crate::domain::{Ledger, TargetId, Transition, UserId};
 use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
+use crate::ops::Stores;
 use crate::store::stats::Stats;
-use crate::store::{CassandraConfig, Store, StoreError};
+use crate::store::{Store, StoreError};
 
 /// How the consumer writes: `batched` (one fenced write per target per
 /// batch) or `per-event` (one per event, the baseline the benches compare).
@@ -51,11 +51,7 @@ pub struct ConsumerConfig {
     pub batch_wait: Duration,
 
     /// Targets written concurrently within one batch.
-    #[arg(
-        long = "write-parallelism",
-        env = "TALLY_WRITE_PARALLELISM",
-        default_value_t = 16
-    )]
+    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16)]
     pub parallelism: usize,
 
     /// How long a stop (SIGTERM) waits for the batch in hand to be written.
@@ -66,19 +62,11 @@ pub struct ConsumerConfig {
     pub mode: WriteMode,
 
     /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
-    #[arg(
-        long = "listen",
-        env = "TALLY_CONSUMER_LISTEN",
-        default_value = "127.0.0.1:9091"
-    )]
+    #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: String,
 
     #[command(flatten)]
-    pub cassandra: CassandraConfig,
-    #[command(flatten)]
-    pub kafka: KafkaConfig,
-    #[command(flatten)]
-    pub redis: RedisConfig,
+    pub stores: Stores,
 }
 
 /// Running counts, shared with tests, metrics and the lag reporter.
@@ -107,11 +95,11 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
     progress: Arc<Progress>,
 ) -> anyhow::Result<()> {
-    let store = Arc::new(Store::open(&config.cassandra, Duration::from_secs(1)).await?);
-    let source = Source::join(&config.kafka, &config.group)?;
-    let dead_letters = DeadLetters::new(&config.kafka)?;
-    let cache = Cache::new(&config.redis, Duration::from_secs(60))?;
-    let readiness = crate::ops::Readiness::new(store.clone(), &config.kafka, cache.clone())?;
+    let store = Arc::new(Store::open(&config.stores.cassandra, Duration::from_secs(1)).await?);
+    let source = Source::join(&config.stores.kafka, &config.group)?;
+    let dead_letters = DeadLetters::new(&config.stores.kafka)?;
+    let cache = Cache::new(&config.stores.redis, Duration::from_secs(60))?;
+    let readiness = crate::ops::Readiness::new(store.clone(), &config.stores.kafka, cache.clone())?;
     let (port, ops_server) =
         crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
     progress.ops_port.store(u64::from(port), Ordering::Relaxed);
@@ -119,7 +107,7 @@ pub async fn run(
     tokio::spawn(ops_server);
     let positions = Positions::default();
     let lag_task = tokio::spawn(lag::report(source.clone(), positions.clone(), stop.clone()));
-    tracing::info!(group = %config.group, topic = %config.kafka.topic, mode = ?config.mode, "tally consumer started");
+    tracing::info!(group = %config.group, topic = %config.stores.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let worker = Worker {
         config: &config,

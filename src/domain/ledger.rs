@@ -104,10 +104,7 @@ mod tests {
         l.apply_event(&user(1), 2, Reaction::Like, Reaction::Dislike);
         assert_eq!(
             l.totals,
-            Totals {
-                likes: 0,
-                dislikes: 2
-            }
+            Totals::count([Reaction::Dislike, Reaction::Dislike])
         );
         assert_eq!(l.replays, 1);
         assert_eq!(l.gaps, 0);
@@ -133,13 +130,7 @@ mod tests {
                 state: Reaction::Dislike
             })
         );
-        assert_eq!(
-            l.totals,
-            Totals {
-                likes: 0,
-                dislikes: 1
-            }
-        );
+        assert_eq!(l.totals, Totals::count([Reaction::Dislike]));
         assert_eq!(l.gaps, 1);
         assert_eq!(l.replays, 1);
     }

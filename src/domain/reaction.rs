@@ -7,45 +7,88 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::de::{self, MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// The final state a user wants for one target. `None` is a state, not the
-/// absence of one: removing a reaction is a transition like any other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Reaction {
-    None,
-    Like,
-    Dislike,
+/// Declares the reactions tally counts. Each line names the variant, its
+/// name on the wire and in storage, and the name of its total. Everything
+/// else (`Totals`, the JSON bodies, the cache fields, the `target_stats`
+/// columns, the OpenAPI document, the CLI report) is derived from the list,
+/// so adding a reaction is one line here and one migration that adds its
+/// column to `target_stats`.
+macro_rules! declare_reactions {
+    ($( $(#[$attr:meta])* $variant:ident = $name:literal, total $total:literal; )+) => {
+        /// The final state a user wants for one target. `None` is a state,
+        /// not the absence of one: removing a reaction is a transition like
+        /// any other.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Reaction {
+            None,
+            $( $(#[$attr])* $variant, )+
+        }
+
+        impl Reaction {
+            /// Every state, `None` first.
+            pub const ALL: &'static [Reaction] = &[Reaction::None, $( $(#[$attr])* Reaction::$variant, )+];
+
+            /// The counted reactions, in the order of `Totals`, the cache
+            /// fields and the `target_stats` columns.
+            pub const COUNTED: &'static [Reaction] = &[$( $(#[$attr])* Reaction::$variant, )+];
+
+            const NAMES: &'static [&'static str] = &["none", $( $(#[$attr])* $name, )+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    Reaction::None => "none",
+                    $( $(#[$attr])* Reaction::$variant => $name, )+
+                }
+            }
+
+            /// The name of this reaction's total (`likes`), which is also its
+            /// `target_stats` column; `None` counts nowhere.
+            pub fn total_name(self) -> Option<&'static str> {
+                match self {
+                    Reaction::None => None,
+                    $( $(#[$attr])* Reaction::$variant => Some($total), )+
+                }
+            }
+        }
+    };
 }
 
-impl Reaction {
-    pub const ALL: [Reaction; 3] = [Reaction::None, Reaction::Like, Reaction::Dislike];
+declare_reactions! {
+    Like = "like", total "likes";
+    Dislike = "dislike", total "dislikes";
+    /// A third reaction, compiled in only by the `third-reaction` feature:
+    /// the build that proves a new reaction needs nothing but its line here
+    /// and its migration.
+    #[cfg(feature = "third-reaction")]
+    Love = "love", total "loves";
+}
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reaction::None => "none",
-            Reaction::Like => "like",
-            Reaction::Dislike => "dislike",
-        }
+/// How many reactions are counted: the width of `Totals` and `Delta`.
+pub const N_COUNTED: usize = Reaction::COUNTED.len();
+
+impl Reaction {
+    /// Where this reaction's total sits in `Totals`; `None` for `None`.
+    fn slot(self) -> Option<usize> {
+        // `None` is the first variant; the counted ones follow in order.
+        (self as usize).checked_sub(1)
     }
 
-    /// What this state adds to the totals: a like is (1, 0), a dislike (0, 1).
+    /// The names of the totals, in `COUNTED` order.
+    pub fn total_names() -> impl Iterator<Item = &'static str> {
+        Reaction::COUNTED.iter().filter_map(|r| r.total_name())
+    }
+
+    /// What this state adds to the totals: one in its own slot.
     fn contribution(self) -> Delta {
-        match self {
-            Reaction::None => Delta {
-                likes: 0,
-                dislikes: 0,
-            },
-            Reaction::Like => Delta {
-                likes: 1,
-                dislikes: 0,
-            },
-            Reaction::Dislike => Delta {
-                likes: 0,
-                dislikes: 1,
-            },
+        let mut d = Delta::default();
+        if let Some(i) = self.slot() {
+            d.0[i] = 1;
         }
+        d
     }
 }
 
@@ -56,75 +99,98 @@ impl fmt::Display for Reaction {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("reaction must be one of like, dislike or none, not {0:?}")]
-pub struct UnknownReaction(pub String);
+#[error("reaction must be one of {}, not {got:?}", Reaction::NAMES.join(", "))]
+pub struct UnknownReaction {
+    pub got: String,
+}
 
 impl FromStr for Reaction {
     type Err = UnknownReaction;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "none" => Ok(Reaction::None),
-            "like" => Ok(Reaction::Like),
-            "dislike" => Ok(Reaction::Dislike),
-            other => Err(UnknownReaction(other.to_owned())),
-        }
+        Reaction::ALL
+            .iter()
+            .copied()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| UnknownReaction { got: s.to_owned() })
     }
 }
 
-/// How far each total moves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Delta {
-    pub likes: i64,
-    pub dislikes: i64,
+impl Serialize for Reaction {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
 }
+
+impl<'de> Deserialize<'de> for Reaction {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        name.parse()
+            .map_err(|_| de::Error::unknown_variant(&name, Reaction::NAMES))
+    }
+}
+
+/// How far each total moves, one entry per counted reaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Delta([i64; N_COUNTED]);
 
 impl Delta {
     /// The table of deltas, derived rather than listed: the totals move by
     /// what the new state contributes minus what the old one did.
     pub fn between(from: Reaction, to: Reaction) -> Delta {
         let (f, t) = (from.contribution(), to.contribution());
-        Delta {
-            likes: t.likes - f.likes,
-            dislikes: t.dislikes - f.dislikes,
-        }
+        Delta(std::array::from_fn(|i| t.0[i] - f.0[i]))
     }
 
     pub fn is_zero(self) -> bool {
         self == Delta::default()
     }
+
+    /// How far `reaction`'s total moves (0 for `None`).
+    pub fn get(self, reaction: Reaction) -> i64 {
+        reaction.slot().map_or(0, |i| self.0[i])
+    }
+
+    /// The moves in `COUNTED` order.
+    pub fn values(self) -> [i64; N_COUNTED] {
+        self.0
+    }
 }
 
 impl std::ops::AddAssign for Delta {
     fn add_assign(&mut self, rhs: Delta) {
-        self.likes += rhs.likes;
-        self.dislikes += rhs.dislikes;
+        for (a, b) in self.0.iter_mut().zip(rhs.0) {
+            *a += b;
+        }
     }
 }
 
-/// Per-target totals.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct Totals {
-    pub likes: i64,
-    pub dislikes: i64,
-}
-
-/// As an operator reads it: `likes=66 dislikes=70`.
-impl fmt::Display for Totals {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "likes={} dislikes={}", self.likes, self.dislikes)
-    }
-}
+/// Per-target totals, one per counted reaction. On the wire they are
+/// fields named after the totals: `{"likes": 3, "dislikes": 1}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Totals([i64; N_COUNTED]);
 
 impl Totals {
+    /// Totals from values in `COUNTED` order (as stored).
+    pub fn from_values(values: [i64; N_COUNTED]) -> Totals {
+        Totals(values)
+    }
+
+    /// The total of one reaction (0 for `None`).
+    pub fn get(self, reaction: Reaction) -> i64 {
+        reaction.slot().map_or(0, |i| self.0[i])
+    }
+
+    /// The totals in `COUNTED` order.
+    pub fn values(self) -> [i64; N_COUNTED] {
+        self.0
+    }
+
     /// Moves the totals by a delta. A total that would go negative means the
     /// delta was computed from a state the totals never counted; clamping at
     /// zero keeps the served number sane while reconcile repairs the cause.
     pub fn apply(self, delta: Delta) -> Totals {
-        Totals {
-            likes: (self.likes + delta.likes).max(0),
-            dislikes: (self.dislikes + delta.dislikes).max(0),
-        }
+        Totals(std::array::from_fn(|i| (self.0[i] + delta.0[i]).max(0)))
     }
 
     /// The totals that a set of per-user states adds up to.
@@ -132,6 +198,60 @@ impl Totals {
         states.into_iter().fold(Totals::default(), |acc, state| {
             acc.apply(Delta::between(Reaction::None, state))
         })
+    }
+}
+
+/// As an operator reads it: `likes=66 dislikes=70`.
+impl fmt::Display for Totals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (name, n)) in Reaction::total_names().zip(self.0).enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            write!(f, "{sep}{name}={n}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for Totals {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(N_COUNTED))?;
+        for (name, n) in Reaction::total_names().zip(self.0) {
+            map.serialize_entry(name, &n)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Totals {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = Totals;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    f,
+                    "an object with {}",
+                    Reaction::total_names().collect::<Vec<_>>().join(", ")
+                )
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Totals, A::Error> {
+                let mut values = [None; N_COUNTED];
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    match Reaction::total_names().position(|n| n == key) {
+                        Some(i) => values[i] = Some(map.next_value::<i64>()?),
+                        None => {
+                            map.next_value::<de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                let mut out = [0; N_COUNTED];
+                for (i, (v, name)) in values.into_iter().zip(Reaction::total_names()).enumerate() {
+                    out[i] = v.ok_or_else(|| de::Error::missing_field(name))?;
+                }
+                Ok(Totals(out))
+            }
+        }
+        d.deserialize_map(Fields)
     }
 }
 
@@ -197,19 +317,19 @@ mod tests {
             ((Like, Like), (0, 0)),
             ((None, None), (0, 0)),
         ];
-        for ((from, to), (likes, dislikes)) in table {
-            assert_eq!(
-                Delta::between(from, to),
-                Delta { likes, dislikes },
-                "{from} -> {to}"
-            );
+        for ((from, to), moves) in table {
+            let d = Delta::between(from, to);
+            assert_eq!((d.get(Like), d.get(Dislike)), moves, "{from} -> {to}");
         }
     }
 
     #[test]
     fn reaction_round_trips_through_its_name() {
-        for r in Reaction::ALL {
+        for &r in Reaction::ALL {
             assert_eq!(r.as_str().parse::<Reaction>(), Ok(r));
+            let json = serde_json::to_string(&r).unwrap_or_default();
+            assert_eq!(json, format!("\"{r}\""));
+            assert_eq!(serde_json::from_str::<Reaction>(&json).ok(), Some(r));
         }
         assert!("Like".parse::<Reaction>().is_err());
         assert!("".parse::<Reaction>().is_err());
@@ -246,21 +366,45 @@ mod tests {
                     version: 6,
                     state: Reaction::Dislike
                 },
-                delta: Delta {
-                    likes: 0,
-                    dislikes: 1
-                },
+                delta: Delta::between(Reaction::None, Reaction::Dislike),
                 gap: true
             }
         );
     }
 
+    #[test]
+    fn every_declared_reaction_has_its_own_total() {
+        assert_eq!(Reaction::ALL.len(), N_COUNTED + 1);
+        let names: std::collections::BTreeSet<_> = Reaction::total_names().collect();
+        assert_eq!(names.len(), N_COUNTED, "total names must be distinct");
+        for &r in Reaction::COUNTED {
+            let one = Totals::count([r]);
+            for &other in Reaction::COUNTED {
+                assert_eq!(
+                    one.get(other),
+                    i64::from(r == other),
+                    "{r} counted into {other}"
+                );
+            }
+            assert_eq!(Delta::between(r, Reaction::None).get(r), -1);
+        }
+        assert_eq!(Totals::count([Reaction::None]), Totals::default());
+    }
+
+    #[test]
+    fn totals_are_named_fields_on_the_wire_and_plain_for_operators() {
+        let t = Totals::count([Reaction::Like, Reaction::Like, Reaction::Dislike]);
+        let json = serde_json::to_value(t).unwrap_or_default();
+        assert_eq!(json["likes"], 2);
+        assert_eq!(json["dislikes"], 1);
+        assert_eq!(json.as_object().map(|o| o.len()), Some(N_COUNTED));
+        assert_eq!(serde_json::from_value::<Totals>(json).ok(), Some(t));
+        assert!(t.to_string().starts_with("likes=2 dislikes=1"), "{t}");
+        assert!(serde_json::from_str::<Totals>(r#"{"likes": 1}"#).is_err());
+    }
+
     fn reaction() -> impl Strategy<Value = Reaction> {
-        prop_oneof![
-            Just(Reaction::None),
-            Just(Reaction::Like),
-            Just(Reaction::Dislike)
-        ]
+        prop::sample::select(Reaction::ALL)
     }
 
     /// A user's true history: versions 1..=n, each `to` the next `from`.
@@ -315,7 +459,7 @@ mod tests {
                 if let Outcome::Apply { next, delta, .. } = apply(current, version, from, to) {
                     totals = totals.apply(delta);
                     raw += delta;
-                    prop_assert!(raw.likes >= 0 && raw.dislikes >= 0, "raw sums went negative: {:?}", raw);
+                    prop_assert!(raw.values().iter().all(|n| *n >= 0), "raw sums went negative: {:?}", raw);
                     applied.insert(user, next);
                 }
             }

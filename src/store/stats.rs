@@ -9,13 +9,15 @@ use anyhow::Context;
 use scylla::client::session::Session;
 use scylla::serialize::SerializationError;
 use scylla::serialize::row::{RowSerializationContext, SerializeRow};
+use scylla::serialize::value::SerializeValue;
 use scylla::serialize::writers::RowWriter;
 use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
 use scylla::statement::{Consistency, SerialConsistency};
-use scylla::value::MaybeUnset;
+use scylla::value::{CqlValue, MaybeUnset};
 
 use super::{Cas, StoreError, classify};
+use crate::domain::reaction::N_COUNTED;
 use crate::domain::{Applied, Reaction, TargetId, TargetType, Totals, UserId};
 
 /// Most users one fenced write may carry, keeping the batch well under
@@ -66,11 +68,21 @@ type AppliedRow = (Option<String>, Option<i64>, Option<String>);
 
 impl Stats {
     pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Stats> {
+        // One column per counted reaction, named after its total.
+        let totals = Reaction::total_names().collect::<Vec<_>>();
         // Only static columns: LIMIT 1 returns the partition's one value.
-        const HEAD: &str = "SELECT likes, dislikes, seq, target_type FROM target_stats \
-             WHERE target_id = ? LIMIT 1";
-        let head = session.prepare(HEAD).await.context("prepare head")?;
-        let mut head_serial = session.prepare(HEAD).await.context("prepare serial head")?;
+        let head_cql = format!(
+            "SELECT {}, seq, target_type FROM target_stats WHERE target_id = ? LIMIT 1",
+            totals.join(", ")
+        );
+        let head = session
+            .prepare(head_cql.as_str())
+            .await
+            .context("prepare head")?;
+        let mut head_serial = session
+            .prepare(head_cql.as_str())
+            .await
+            .context("prepare serial head")?;
         head_serial.set_consistency(Consistency::LocalSerial);
         let applied_of = session
             .prepare(
@@ -86,11 +98,12 @@ impl Stats {
             )
             .await
             .context("prepare all applied rows")?;
+        let set_totals: Vec<String> = totals.iter().map(|t| format!("{t} = ?")).collect();
         let write_head = session
-            .prepare(
-                "UPDATE target_stats SET likes = ?, dislikes = ?, seq = ?, target_type = ? \
-                 WHERE target_id = ? IF seq = ?",
-            )
+            .prepare(format!(
+                "UPDATE target_stats SET {}, seq = ?, target_type = ? WHERE target_id = ? IF seq = ?",
+                set_totals.join(", ")
+            ))
             .await
             .context("prepare head write")?;
         let write_user = session
@@ -122,16 +135,22 @@ impl Stats {
             ReadAt::Quorum => &self.head,
             ReadAt::Serial => &self.head_serial,
         };
-        type Row = (Option<i64>, Option<i64>, Option<i64>, Option<String>);
-        let row: Option<Row> = super::first_row(&self.session, stmt, (target.as_str(),)).await?;
-        let (likes, dislikes, seq, kind) = row.unwrap_or_default();
+        let row: Option<scylla::value::Row> =
+            super::first_row(&self.session, stmt, (target.as_str(),)).await?;
+        let columns = row.map(|r| r.columns).unwrap_or_default();
+        let bigint = |i: usize| match columns.get(i) {
+            Some(Some(CqlValue::BigInt(n))) => Some(*n),
+            _ => None,
+        };
+        let totals = std::array::from_fn(|i| bigint(i).unwrap_or(0));
+        let kind = match columns.get(N_COUNTED + 1) {
+            Some(Some(CqlValue::Text(t))) => TargetType::parse(t),
+            _ => None,
+        };
         Ok(Head {
-            seq,
-            totals: Totals {
-                likes: likes.unwrap_or(0),
-                dislikes: dislikes.unwrap_or(0),
-            },
-            target_type: kind.as_deref().and_then(TargetType::parse),
+            seq: bigint(N_COUNTED),
+            totals: Totals::from_values(totals),
+            target_type: kind,
         })
     }
 
@@ -169,15 +188,21 @@ impl Stats {
             Some(t) => MaybeUnset::Set(t.as_str()),
             None => MaybeUnset::Unset,
         };
+        let totals = w.totals.values();
+        let next_seq = w.read_seq.unwrap_or(0) + 1;
+        let target_id = target.as_str();
+        let mut head: Vec<&(dyn SerializeValue + Sync)> = totals
+            .iter()
+            .map(|t| t as &(dyn SerializeValue + Sync))
+            .collect();
+        head.extend([
+            &next_seq as &(dyn SerializeValue + Sync),
+            &kind,
+            &target_id,
+            &w.read_seq,
+        ]);
         let mut values = Vec::with_capacity(w.users.len() + 1);
-        values.push(Row::Head((
-            w.totals.likes,
-            w.totals.dislikes,
-            w.read_seq.unwrap_or(0) + 1,
-            kind,
-            target.as_str(),
-            w.read_seq,
-        )));
+        values.push(Row::Head(head));
         for (user, a) in w.users {
             batch.append_statement(self.write_user.clone());
             values.push(Row::User((
@@ -209,7 +234,7 @@ fn applied_map(rows: Vec<AppliedRow>) -> HashMap<UserId, Applied> {
 
 /// The values of one statement of a stats batch: the statics, or one user.
 enum Row<'a> {
-    Head((i64, i64, i64, MaybeUnset<&'a str>, &'a str, Option<i64>)),
+    Head(Vec<&'a (dyn SerializeValue + Sync)>),
     User((i64, &'a str, &'a str, &'a str)),
 }
 
@@ -220,8 +245,8 @@ impl SerializeRow for Row<'_> {
         writer: &mut RowWriter,
     ) -> Result<(), SerializationError> {
         match self {
-            Row::Head(v) => v.serialize(ctx, writer),
-            Row::User(v) => v.serialize(ctx, writer),
+            Row::Head(v) => SerializeRow::serialize(v, ctx, writer),
+            Row::User(v) => SerializeRow::serialize(v, ctx, writer),
         }
     }
 

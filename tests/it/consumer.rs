@@ -8,7 +8,7 @@ use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::Headers;
 
-use crate::support::{Lcg, TestEnv, eventually};
+use crate::support::{Rng, TestEnv, TestResult, eventually};
 
 async fn processed_at_least(c: &crate::support::RunningConsumer, n: u64) {
     eventually(
@@ -20,7 +20,7 @@ async fn processed_at_least(c: &crate::support::RunningConsumer, n: u64) {
 }
 
 #[tokio::test]
-async fn the_same_events_delivered_twice_leave_the_totals_unchanged() {
+async fn the_same_events_delivered_twice_leave_the_totals_unchanged() -> TestResult {
     let env = TestEnv::new().await;
     let events = [
         ("u1", "none", "like", 1),
@@ -42,13 +42,14 @@ async fn the_same_events_delivered_twice_leave_the_totals_unchanged() {
     let twice = env.stats().await;
     consumer.stop().await;
 
-    assert_eq!(once["video_dup"].0, 1, "likes: u3 only");
-    assert_eq!(once["video_dup"].1, 1, "dislikes: u2");
+    assert_eq!(once["video_dup"].likes(), 1, "likes: u3 only");
+    assert_eq!(once["video_dup"].dislikes(), 1, "dislikes: u2");
     assert_eq!(twice, once, "a redelivery changes nothing");
+    Ok(())
 }
 
 #[tokio::test]
-async fn version_6_before_5_ends_at_the_users_latest_state() {
+async fn version_6_before_5_ends_at_the_users_latest_state() -> TestResult {
     let env = TestEnv::new().await;
     for (f, t, v) in [
         ("none", "like", 1),
@@ -74,14 +75,15 @@ async fn version_6_before_5_ends_at_the_users_latest_state() {
     consumer.stop().await;
 
     let stats = env.stats().await;
-    let (likes, dislikes, users) = &stats["video_gap"];
-    assert_eq!((*likes, *dislikes), (0, 1));
-    assert_eq!(users["ursula"], (6, "dislike".to_owned()));
+    let gap = &stats["video_gap"];
+    assert_eq!((gap.likes(), gap.dislikes()), (0, 1));
+    assert_eq!(gap.users["ursula"], (6, "dislike".to_owned()));
     assert!(gaps >= 1, "the gap was counted");
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
+async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() -> TestResult {
     let env = TestEnv::new().await;
     // Same key, so the same partition: the valid event is behind the poison.
     env.publish_raw("video_p", b"{definitely not a transition")
@@ -98,7 +100,7 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
     consumer.stop().await;
 
     assert_eq!(
-        env.stats().await["video_p"].0,
+        env.stats().await["video_p"].likes(),
         1,
         "the valid event behind the poison was applied"
     );
@@ -108,18 +110,15 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
         .client()
         .set("group.id", format!("{}-dlq", env.group))
         .set("auto.offset.reset", "earliest")
-        .create()
-        .unwrap_or_else(|e| panic!("{e}"));
-    dlq.subscribe(&[&env.kafka.dead_letter_topic])
-        .unwrap_or_else(|e| panic!("{e}"));
+        .create()?;
+    dlq.subscribe(&[&env.kafka.dead_letter_topic])?;
     let mut reasons = Vec::new();
     let mut stream = dlq.stream();
     while reasons.len() < 2 {
         let m = tokio::time::timeout(Duration::from_secs(30), stream.next())
             .await
             .unwrap_or_else(|_| panic!("dead letters missing; got {reasons:?}"))
-            .unwrap_or_else(|| panic!("stream ended"))
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap_or_else(|| panic!("stream ended"))?;
         let reason = m
             .headers()
             .and_then(|h| {
@@ -134,13 +133,14 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() {
     }
     assert!(reasons[0].contains("not a transition"), "{reasons:?}");
     assert!(reasons[1].contains("must change"), "{reasons:?}");
+    Ok(())
 }
 
 #[tokio::test]
-async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
+async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    let mut rng = Lcg(7);
+    let mut rng = Rng(7);
     let ok = app.random_votes(&mut rng, 600, 60, 40, 24).await;
     assert_eq!(ok, 600);
 
@@ -164,9 +164,8 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("{e}"))
     };
-    let mut first = spawn();
+    let mut first = spawn()?;
     // Kill it as soon as it has written something, well before it is done.
     eventually(
         "the first consumer to write",
@@ -174,7 +173,7 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
         || async { (!env.stats().await.is_empty()).then_some(()) },
     )
     .await;
-    first.kill().unwrap_or_else(|e| panic!("{e}")); // SIGKILL
+    first.kill()?; // SIGKILL
     let _ = first.wait();
     assert_ne!(
         env.stats().await,
@@ -182,17 +181,18 @@ async fn kill_9_of_the_consumer_mid_batch_then_a_restart_leaves_no_drift() {
         "the kill came too late to interrupt anything"
     );
 
-    let mut second = spawn();
+    let mut second = spawn()?;
     env.wait_until_no_drift(Duration::from_secs(90)).await;
-    second.kill().unwrap_or_else(|e| panic!("{e}"));
+    second.kill()?;
     let _ = second.wait();
+    Ok(())
 }
 
 #[tokio::test]
-async fn two_consumers_in_one_group_with_a_rebalance_mid_stream_leave_no_drift() {
+async fn two_consumers_in_one_group_with_a_rebalance_mid_stream_leave_no_drift() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    let mut rng = Lcg(11);
+    let mut rng = Rng(11);
 
     let a = env.start_consumer();
     assert_eq!(app.random_votes(&mut rng, 250, 40, 30, 16).await, 250);
@@ -205,4 +205,5 @@ async fn two_consumers_in_one_group_with_a_rebalance_mid_stream_leave_no_drift()
     env.wait_until_no_drift(Duration::from_secs(90)).await;
     assert!(b.processed() > 0, "the second consumer took part");
     b.stop().await;
+    Ok(())
 }

@@ -4,19 +4,17 @@
 
 use std::time::Duration;
 
-use crate::support::TestEnv;
+use crate::support::{TestEnv, TestResult};
 
 #[tokio::test]
-async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_schema() {
+async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_schema() -> TestResult {
     let env = TestEnv::new().await;
     let mut config = env.api_config();
     // Schemathesis sends everything as one user; the per-user limit is
     // tested elsewhere and would turn valid requests into 429s here.
     config.user_rate = 1_000_000.0;
     config.user_burst = 1_000_000;
-    let app = tally::api::Application::build(config)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let app = tally::api::Application::build(config).await?;
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let admin = tally::auth::mint(
@@ -24,8 +22,7 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
         "fuzzer",
         Duration::from_secs(3600),
         vec!["admin".into()],
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    )?;
     let report = std::env::temp_dir().join(format!("tally-schemathesis-{}.xml", env.id));
 
     // On a blocking thread: this runtime also drives the app's Cassandra connections.
@@ -53,8 +50,7 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
             .env("NO_COLOR", "1")
             .output()
     })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
+    .await?
     .unwrap_or_else(|e| panic!("schemathesis: {e} (scripts/test.sh installs it)"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let junit = std::fs::read_to_string(&report).unwrap_or_default();
@@ -69,4 +65,5 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
         junit.matches("<testcase").count() >= 3,
         "every operation was exercised:\n{junit}"
     );
+    Ok(())
 }

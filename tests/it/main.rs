@@ -4,9 +4,9 @@
 mod consumer;
 mod fuzz;
 mod ops;
+mod reactions;
 mod reconcile;
 mod rejections;
 mod smoke;
-#[allow(dead_code)] // shared with tests/chaos.rs, which uses other parts
 mod support;
 mod votes;

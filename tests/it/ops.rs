@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use crate::support::{Lcg, TestEnv, eventually, new_key};
+use crate::support::{Rng, TestEnv, TestResult, eventually, new_key};
 
 /// Sums the samples of `name` whose labels contain every `labels` fragment.
 fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
@@ -33,13 +33,13 @@ async fn scrape(client: &reqwest::Client, url: &str) -> String {
 }
 
 #[tokio::test]
-async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped() {
+async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let metrics_url = format!("{}/metrics", app.address);
 
     let consumer = env.start_consumer();
-    assert_eq!(app.random_votes(&mut Lcg(21), 30, 10, 3, 8).await, 30);
+    assert_eq!(app.random_votes(&mut Rng(21), 30, 10, 3, 8).await, 30);
     for _ in 0..5 {
         assert_eq!(
             app.summary("reader", "t0,t1,t2,never_voted").await.status,
@@ -51,12 +51,8 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
         .await;
     env.reconciler()
         .await
-        .target(
-            &tally::domain::TargetId::parse("t0").unwrap_or_else(|e| panic!("{e}")),
-            false,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .target(&tally::domain::TargetId::parse("t0")?, false)
+        .await?;
     let consumer_port = consumer
         .progress
         .ops_port
@@ -108,7 +104,7 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
 
     // Signal 3, from outside: votes with no consumer running make lag rise.
     let before = env.published();
-    assert_eq!(app.random_votes(&mut Lcg(22), 12, 10, 3, 4).await, 12);
+    assert_eq!(app.random_votes(&mut Rng(22), 12, 10, 3, 4).await, 12);
     let unconsumed = (env.published() - before) as f64;
     assert!(unconsumed > 0.0, "some of the votes changed state");
     eventually(
@@ -133,6 +129,7 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
     )
     .await;
     consumer.stop().await;
+    Ok(())
 }
 
 /// A real redis-server of this test's own, so stopping it disturbs no other test.
@@ -173,18 +170,15 @@ impl Drop for PrivateRedis {
 }
 
 #[tokio::test]
-async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
+async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> TestResult {
     let env = TestEnv::new().await;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("{e}"));
+        .map(|a| a.port())?;
     let redis = PrivateRedis::start(port);
     let mut config = env.api_config();
-    config.redis.url = format!("redis://127.0.0.1:{}", redis.port);
-    let app = tally::api::Application::build(config)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    config.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
+    let app = tally::api::Application::build(config).await?;
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let client = reqwest::Client::new();
@@ -198,11 +192,7 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
         readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
     })
     .await;
-    let health = client
-        .get(format!("{base}/healthz"))
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let health = client.get(format!("{base}/healthz")).send().await?;
     assert_eq!(health.status().as_u16(), 200);
 
     redis.stop();
@@ -225,4 +215,5 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() {
         readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
     })
     .await;
+    Ok(())
 }

@@ -3,9 +3,11 @@
 
 use std::time::Duration;
 
-use tally::domain::TargetId;
+use tally::domain::{Reaction, TargetId};
 
-use crate::support::{Lcg, TestEnv, eventually, token};
+use anyhow::Context;
+
+use crate::support::{Rng, TestEnv, TestResult, eventually, token};
 
 fn target(s: &str) -> TargetId {
     TargetId::parse(s).unwrap_or_else(|e| panic!("{e}"))
@@ -22,10 +24,10 @@ fn json_of(out: &std::process::Output) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn overwritten_totals_are_restored_by_reconcile_target() {
+async fn overwritten_totals_are_restored_by_reconcile_target() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    env.votes_counted(&app, &mut Lcg(1), 120, 30, 3).await;
+    env.votes_counted(&app, &mut Rng(1), 120, 30, 3).await;
     let truth = env.recount().await;
 
     env.cql("UPDATE target_stats SET likes = 999, dislikes = 7 WHERE target_id = 't1'")
@@ -33,8 +35,7 @@ async fn overwritten_totals_are_restored_by_reconcile_target() {
     let out = env
         .tally()
         .args(["reconcile", "--target", "t1", "--target", "t2", "--json"])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .output()?;
 
     assert!(
         out.status.success(),
@@ -48,13 +49,14 @@ async fn overwritten_totals_are_restored_by_reconcile_target() {
     assert_eq!(summary["corrections"][0]["totals_before"]["likes"], 999);
     assert_eq!(
         summary["corrections"][0]["totals_after"]["likes"],
-        truth["t1"].0
+        truth["t1"].likes()
     );
     assert_eq!(env.stats().await, truth);
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_deleted_user_row_is_recounted_not_off_by_one() {
+async fn a_deleted_user_row_is_recounted_not_off_by_one() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     app.vote("alice", crate::support::new_key(), "video_x", "like")
@@ -74,21 +76,24 @@ async fn a_deleted_user_row_is_recounted_not_off_by_one() {
         .reconciler()
         .await
         .target(&target("video_x"), false)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await?;
 
     assert!(report.drifted && report.repaired, "{report:?}");
     assert_eq!(report.users_behind, 1);
     assert_eq!(
-        (report.totals_after.likes, report.totals_after.dislikes),
+        (
+            report.totals_after.get(Reaction::Like),
+            report.totals_after.get(Reaction::Dislike)
+        ),
         (2, 1),
         "not 3 likes"
     );
     assert_eq!(env.stats().await, env.recount().await);
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_transition_committed_but_never_published_is_counted() {
+async fn a_transition_committed_but_never_published_is_counted() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     app.vote("alice", crate::support::new_key(), "video_y", "like")
@@ -106,12 +111,14 @@ async fn a_transition_committed_but_never_published_is_counted() {
         .reconciler()
         .await
         .target(&target("video_y"), false)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await?;
 
     assert_eq!(report.users_behind, 2);
     assert_eq!(
-        (report.totals_after.likes, report.totals_after.dislikes),
+        (
+            report.totals_after.get(Reaction::Like),
+            report.totals_after.get(Reaction::Dislike)
+        ),
         (1, 1)
     );
     assert_eq!(env.stats().await, env.recount().await);
@@ -131,13 +138,14 @@ async fn a_transition_committed_but_never_published_is_counted() {
         env.recount().await,
         "the late event did not count twice"
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_dry_run_reports_drift_and_changes_nothing() {
+async fn a_dry_run_reports_drift_and_changes_nothing() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    env.votes_counted(&app, &mut Lcg(2), 60, 20, 2).await;
+    env.votes_counted(&app, &mut Rng(2), 60, 20, 2).await;
     env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0'")
         .await;
     let damaged = env.stats().await;
@@ -152,8 +160,7 @@ async fn a_dry_run_reports_drift_and_changes_nothing() {
             "--json",
             "--fail-on-drift",
         ])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .output()?;
 
     assert_eq!(
         out.status.code(),
@@ -165,14 +172,16 @@ async fn a_dry_run_reports_drift_and_changes_nothing() {
     assert_eq!(summary["targets_drifted"], 1);
     assert_eq!(summary["corrections"][0]["repaired"], false);
     assert_eq!(env.stats().await, damaged, "a dry run wrote nothing");
+    Ok(())
 }
 
 #[tokio::test]
-async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_after_a_kill() {
+async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_after_a_kill()
+-> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     // 2000 targets, one or two votes each.
-    let mut rng = Lcg(3);
+    let mut rng = Rng(3);
     let n_targets = 2000;
     let plan: Vec<(String, String)> = (0..2400)
         .map(|i| (format!("u{}", rng.below(50)), format!("t{}", i % n_targets)))
@@ -222,11 +231,8 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
     let mut first = env
         .tally()
         .args(["reconcile", "--all", "--rate", "300"])
-        .spawn()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        .spawn()?;
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
     let saved = eventually("a checkpoint", Duration::from_secs(60), || async {
         store
             .targets
@@ -237,14 +243,13 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
             .filter(|c| c.checked >= 200)
     })
     .await;
-    first.kill().unwrap_or_else(|e| panic!("{e}"));
+    first.kill()?;
     let _ = first.wait();
 
     let out = env
         .tally()
         .args(["reconcile", "--all", "--rate", "0", "--json"])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .output()?;
     assert!(
         out.status.success(),
         "{}",
@@ -275,10 +280,11 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
         None,
         "a complete sweep clears its checkpoint"
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn reconcile_in_a_loop_while_votes_and_the_consumer_run_ends_with_zero_drift() {
+async fn reconcile_in_a_loop_while_votes_and_the_consumer_run_ends_with_zero_drift() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let consumer = env.start_consumer();
@@ -297,25 +303,26 @@ async fn reconcile_in_a_loop_while_votes_and_the_consumer_run_ends_with_zero_dri
             reconciler
                 .sweep(&options, &stop_rx, |_| {})
                 .await
-                .unwrap_or_else(|e| panic!("sweep: {e}"));
+                .context("sweep")?;
             rounds += 1;
         }
-        rounds
+        anyhow::Ok(rounds)
     });
 
-    assert_eq!(app.random_votes(&mut Lcg(5), 500, 30, 15, 16).await, 500);
+    assert_eq!(app.random_votes(&mut Rng(5), 500, 30, 15, 16).await, 500);
     let _ = stop_tx.send(true);
-    let rounds = sweeping.await.unwrap_or_else(|e| panic!("{e}"));
+    let rounds = sweeping.await??;
     env.wait_until_no_drift(Duration::from_secs(90)).await;
     consumer.stop().await;
     assert!(rounds >= 1, "reconcile ran while votes flowed");
+    Ok(())
 }
 
 #[tokio::test]
-async fn support_can_reconcile_one_target_online_with_an_admin_token() {
+async fn support_can_reconcile_one_target_online_with_an_admin_token() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    env.votes_counted(&app, &mut Lcg(9), 40, 10, 1).await;
+    env.votes_counted(&app, &mut Rng(9), 40, 10, 1).await;
     env.cql("UPDATE target_stats SET dislikes = 1234 WHERE target_id = 't0'")
         .await;
     let url = format!("{}/v1/admin/reconcile/t0", app.address);
@@ -328,19 +335,19 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() {
         "support-1",
         Duration::from_secs(60),
         vec!["admin".into()],
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    )?;
     let admin = app
         .send(app.client.post(&url).bearer_auth(admin_token))
         .await;
 
     assert_eq!(user.status, 403, "{user:?}");
     assert_eq!(
-        env.stats().await["t0"].1,
-        env.recount().await["t0"].1,
+        env.stats().await["t0"].dislikes(),
+        env.recount().await["t0"].dislikes(),
         "{admin:?}"
     );
     assert_eq!(admin.status, 200);
     assert_eq!(admin.json()["totals_before"]["dislikes"], 1234);
     assert_eq!(admin.json()["repaired"], true);
+    Ok(())
 }

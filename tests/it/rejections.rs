@@ -6,7 +6,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use jsonwebtoken::{EncodingKey, Header};
 use serde_json::json;
 
-use crate::support::{JWT_SECRET, TestApp, TestEnv, new_key, token};
+use anyhow::Context;
+
+use crate::support::{JWT_SECRET, TestApp, TestEnv, TestResult, new_key, token};
 
 const VALID: &str = r#"{"target_id":"video_1","target_type":"video","action":"like"}"#;
 
@@ -31,7 +33,7 @@ fn with_body(app: &TestApp, body: &'static str) -> reqwest::RequestBuilder {
 }
 
 #[tokio::test]
-async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
+async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let cases = [
@@ -292,6 +294,7 @@ async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
         "no rejected request wrote a row"
     );
     assert_eq!(env.published(), 0, "no rejected request published");
+    Ok(())
 }
 
 fn now() -> u64 {
@@ -333,7 +336,7 @@ fn unsigned(claims: serde_json::Value) -> String {
 }
 
 #[tokio::test]
-async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
+async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let later = now() + 3600;
@@ -397,10 +400,11 @@ async fn forged_expired_and_unsigned_tokens_cannot_vote_or_read() {
     }
     assert_eq!(env.rows_of("victim").await, 0);
     assert_eq!(env.published(), 0);
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state() {
+async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let body =
@@ -433,10 +437,11 @@ async fn a_user_id_in_the_body_is_ignored_and_no_token_reads_another_users_state
         "the attacker's like is not the victim's state"
     );
     assert_eq!(victims_view["items"]["video_9"]["likes"], 1);
+    Ok(())
 }
 
 #[tokio::test]
-async fn openapi_document_is_valid_3_1_and_lists_every_status() {
+async fn openapi_document_is_valid_3_1_and_lists_every_status() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let reply = app
@@ -462,12 +467,12 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() {
 
     // A real validator: openapi-spec-validator, installed by scripts/test.sh.
     let path = std::env::temp_dir().join(format!("tally-openapi-{}.json", env.id));
-    std::fs::write(&path, &reply.body).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&path, &reply.body)?;
     let out = std::process::Command::new("python3")
         .args(["-m", "openapi_spec_validator", "--schema", "3.1"])
         .arg(&path)
         .output()
-        .unwrap_or_else(|e| panic!("python3: {e}"));
+        .context("python3")?;
     let _ = std::fs::remove_file(&path);
     assert!(
         out.status.success(),
@@ -475,10 +480,12 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change_nothing() {
+async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change_nothing()
+-> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await; // 20 votes/s per user, bursts of 60
 
@@ -512,4 +519,5 @@ async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change
     assert_eq!(env.published(), ok as i64);
     let other = app.vote("calm", new_key(), "video_0", "like").await;
     assert_eq!(other.status, 200, "the limit is per user");
+    Ok(())
 }

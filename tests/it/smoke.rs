@@ -8,16 +8,16 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally::store;
 
-use crate::support::TestEnv;
+use crate::support::{TestEnv, TestResult};
 
 #[tokio::test]
-async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() {
+async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() -> TestResult {
     let env = TestEnv::new().await;
     let insert = env
         .session
         .prepare("INSERT INTO reactions (user_id, target_id, state, version) VALUES (?, ?, ?, ?) IF NOT EXISTS")
         .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        ?;
 
     let first = env
         .session
@@ -28,12 +28,12 @@ async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() 
         .execute_unpaged(&insert, ("alice", "video_1", "dislike", 1_i64))
         .await;
 
-    let applied = |r: Result<_, _>| {
-        store::was_applied(r.unwrap_or_else(|e| panic!("{e}"))).unwrap_or_else(|e| panic!("{e:#}"))
-    };
-    assert!(applied(first), "the first INSERT IF NOT EXISTS must apply");
     assert!(
-        !applied(second),
+        store::was_applied(first?)?,
+        "the first INSERT IF NOT EXISTS must apply"
+    );
+    assert!(
+        !store::was_applied(second?)?,
         "the second INSERT IF NOT EXISTS must not apply"
     );
 
@@ -43,24 +43,21 @@ async fn cassandra_insert_if_not_exists_applies_once_and_reports_it_both_ways() 
             "SELECT state FROM reactions WHERE user_id = 'alice' AND target_id = 'video_1'",
             (),
         )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_rows_result()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .single_row()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await?
+        .into_rows_result()?
+        .single_row()?;
     assert_eq!(state, "like", "the losing insert must not have written");
+    Ok(())
 }
 
 #[tokio::test]
-async fn kafka_carries_one_message_from_a_producer_to_a_consumer() {
+async fn kafka_carries_one_message_from_a_producer_to_a_consumer() -> TestResult {
     let env = TestEnv::new().await;
     let producer: FutureProducer = env
         .kafka
         .client()
         .set("enable.idempotence", "true")
-        .create()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .create()?;
     let payload = format!("hello from {}", env.id);
     producer
         .send(
@@ -77,55 +74,46 @@ async fn kafka_carries_one_message_from_a_producer_to_a_consumer() {
         .client()
         .set("group.id", &env.group)
         .set("auto.offset.reset", "earliest")
-        .create()
-        .unwrap_or_else(|e| panic!("{e}"));
-    consumer
-        .subscribe(&[&env.kafka.topic])
-        .unwrap_or_else(|e| panic!("{e}"));
+        .create()?;
+    consumer.subscribe(&[&env.kafka.topic])?;
     let msg = tokio::time::timeout(Duration::from_secs(60), consumer.stream().next())
         .await
         .unwrap_or_else(|_| panic!("no message within 60s"))
-        .unwrap_or_else(|| panic!("stream ended"))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap_or_else(|| panic!("stream ended"))?;
     assert_eq!(msg.payload(), Some(payload.as_bytes()));
     assert_eq!(msg.key(), Some(&b"video_1"[..]));
+    Ok(())
 }
 
 #[tokio::test]
-async fn redis_stores_and_returns_a_key() {
+async fn redis_stores_and_returns_a_key() -> TestResult {
     let env = TestEnv::new().await;
-    let pool = tally::cache::pool(&env.redis).unwrap_or_else(|e| panic!("{e:#}"));
-    let mut conn = pool.get().await.unwrap_or_else(|e| panic!("{e}"));
+    let pool = tally::cache::pool(&env.redis)?;
+    let mut conn = pool.get().await?;
     let key = format!("{}:smoke", env.redis.prefix);
     let () = redis::cmd("SET")
         .arg(&key)
         .arg(&env.id)
         .query_async(&mut conn)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let back: Option<String> = redis::cmd("GET")
-        .arg(&key)
-        .query_async(&mut conn)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await?;
+    let back: Option<String> = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
     assert_eq!(back.as_deref(), Some(env.id.as_str()));
+    Ok(())
 }
 
 #[tokio::test]
-async fn migrate_twice_applies_nothing_the_second_time() {
+async fn migrate_twice_applies_nothing_the_second_time() -> TestResult {
     let env = TestEnv::new().await;
-    let session = store::connect(&env.cassandra)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let session = store::connect(&env.cassandra).await?;
     let again = store::migrate::run(
         &session,
         &env.cassandra.keyspace,
         &store::migrate::Replication::Simple(1),
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    .await?;
     assert!(again.applied.is_empty(), "re-applied {:?}", again.applied);
     assert_eq!(again.already.len(), store::migrate::MIGRATIONS.len());
+    Ok(())
 }
 
 #[test]

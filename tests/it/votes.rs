@@ -4,7 +4,7 @@
 use futures::future::join_all;
 use tally::domain::Reaction;
 
-use crate::support::{TestEnv, new_key};
+use crate::support::{TestEnv, TestResult, new_key};
 
 fn totals(reply: &crate::support::Reply) -> (i64, i64, String) {
     let v = reply.json();
@@ -16,7 +16,7 @@ fn totals(reply: &crate::support::Reply) -> (i64, i64, String) {
 }
 
 #[tokio::test]
-async fn alice_like_then_dislike_then_undo_moves_each_total_once() {
+async fn alice_like_then_dislike_then_undo_moves_each_total_once() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
@@ -58,10 +58,11 @@ async fn alice_like_then_dislike_then_undo_moves_each_total_once() {
         env.reaction("alice", "video_abc123").await,
         Some(("none".into(), 3))
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_double_click_with_two_keys_publishes_one_transition() {
+async fn a_double_click_with_two_keys_publishes_one_transition() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
@@ -77,10 +78,11 @@ async fn a_double_click_with_two_keys_publishes_one_transition() {
         env.reaction("bob", "video_1").await,
         Some(("like".into(), 1))
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn fifty_concurrent_likes_from_one_user_publish_exactly_one_transition() {
+async fn fifty_concurrent_likes_from_one_user_publish_exactly_one_transition() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
@@ -102,10 +104,11 @@ async fn fifty_concurrent_likes_from_one_user_publish_exactly_one_transition() {
     );
     let summary = app.summary("carol", "video_hot").await.json();
     assert_eq!(summary["items"]["video_hot"]["likes"], 1);
+    Ok(())
 }
 
 #[tokio::test]
-async fn fifty_users_liking_one_target_concurrently_publish_fifty_first_versions() {
+async fn fifty_users_liking_one_target_concurrently_publish_fifty_first_versions() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
 
@@ -134,10 +137,11 @@ async fn fifty_users_liking_one_target_concurrently_publish_fifty_first_versions
         summary["items"]["video_viral"]["likes"], 50,
         "the cache took every delta once"
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_replayed_key_returns_the_identical_body_and_publishes_nothing() {
+async fn a_replayed_key_returns_the_identical_body_and_publishes_nothing() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let key = new_key();
@@ -166,11 +170,12 @@ async fn a_replayed_key_returns_the_identical_body_and_publishes_nothing() {
         env.reaction("dave", "video_2").await,
         Some(("like".into(), 1))
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_late_retry_of_a_like_after_a_dislike_leaves_the_user_on_dislike() {
-    // Seed 003: like (response lost), then dislike, then the like's retry arrives.
+async fn a_late_retry_of_a_like_after_a_dislike_leaves_the_user_on_dislike() -> TestResult {
+    // A like whose response is lost, then a dislike, then the like's retry arrives.
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let like_key = new_key();
@@ -194,10 +199,11 @@ async fn a_late_retry_of_a_like_after_a_dislike_leaves_the_user_on_dislike() {
     assert_eq!(env.published(), 2);
     let summary = app.summary("frank", "video_3").await.json();
     assert_eq!(summary["items"]["video_3"]["user_state"], "dislike");
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_no_op_records_its_key_so_its_late_retry_cannot_undo_a_later_change() {
+async fn a_no_op_records_its_key_so_its_late_retry_cannot_undo_a_later_change() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     app.vote("gina", new_key(), "video_4", "like").await;
@@ -218,10 +224,11 @@ async fn a_no_op_records_its_key_so_its_late_retry_cannot_undo_a_later_change() 
         2,
         "like and none; the no-op published nothing"
     );
+    Ok(())
 }
 
 #[tokio::test]
-async fn a_key_reused_with_another_body_is_refused_with_422() {
+async fn a_key_reused_with_another_body_is_refused_with_422() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let key = new_key();
@@ -239,10 +246,11 @@ async fn a_key_reused_with_another_body_is_refused_with_422() {
     );
     assert_eq!(env.reaction("hank", "video_6").await, None);
     assert_eq!(env.published(), 1);
+    Ok(())
 }
 
 #[tokio::test]
-async fn keys_are_scoped_to_the_user() {
+async fn keys_are_scoped_to_the_user() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     let key = new_key();
@@ -257,10 +265,11 @@ async fn keys_are_scoped_to_the_user() {
         Some(("dislike".into(), 1))
     );
     assert_eq!(env.published(), 2);
+    Ok(())
 }
 
 #[tokio::test]
-async fn the_summary_gives_counts_and_only_the_callers_own_state() {
+async fn the_summary_gives_counts_and_only_the_callers_own_state() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     app.vote("kate", new_key(), "video_8", "like").await;
@@ -290,4 +299,5 @@ async fn the_summary_gives_counts_and_only_the_callers_own_state() {
         v["items"]["nobody_voted"],
         serde_json::json!({"likes": 0, "dislikes": 0, "user_state": "none"})
     );
+    Ok(())
 }

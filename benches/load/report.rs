@@ -1,0 +1,217 @@
+//! What the load bench found, as the tables of BENCHMARKS.md, the JSON
+//! beside them and the latency chart: rendering only, no measuring.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::support::Percentiles;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreRun {
+    pub name: String,
+    pub ops_per_sec: f64,
+    pub latency_ms: Percentiles,
+    pub cas_unknown: u64,
+    pub conflicts: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConsumerRun {
+    pub mode: String,
+    pub events: u64,
+    pub seconds: f64,
+    pub events_per_sec: f64,
+    pub requests_per_event: f64,
+    pub fenced_writes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RateStep {
+    pub rate: u64,
+    pub achieved: f64,
+    pub latency_ms: Percentiles,
+    pub errors: u64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Results {
+    pub date: String,
+    pub commit: String,
+    pub store: Vec<StoreRun>,
+    pub consumer: Vec<ConsumerRun>,
+    pub e2e_writes: Vec<RateStep>,
+    pub e2e_reads: Vec<RateStep>,
+    pub e2e_closed_loop_writes: Option<StoreRun>,
+}
+
+pub fn report(r: &Results) {
+    let mut md = String::new();
+    let _ = writeln!(md, "Run {} at commit {}\n", r.date, r.commit);
+    if !r.store.is_empty() {
+        let _ = writeln!(
+            md,
+            "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
+        for s in &r.store {
+            let l = s.latency_ms;
+            let _ = writeln!(
+                md,
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts
+            );
+        }
+        if let [upsert, uniform, hot] = &r.store[..] {
+            let _ = writeln!(
+                md,
+                "\nLWT vs upsert throughput: {:.2}x; LWT p95 / upsert p95: {:.2}x; hot / uniform throughput: {:.2}x\n",
+                uniform.ops_per_sec / upsert.ops_per_sec,
+                uniform.latency_ms.p95 / upsert.latency_ms.p95,
+                hot.ops_per_sec / uniform.ops_per_sec
+            );
+        }
+    }
+    if !r.consumer.is_empty() {
+        let _ = writeln!(
+            md,
+            "| consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---:|---:|---:|---:|---:|"
+        );
+        for c in &r.consumer {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.1} | {:.0} | {:.3} | {} |",
+                c.mode,
+                c.events,
+                c.seconds,
+                c.events_per_sec,
+                c.requests_per_event,
+                c.fenced_writes
+            );
+        }
+        if let [batched, per_event] = &r.consumer[..] {
+            let _ = writeln!(
+                md,
+                "\nBatched vs per-event: {:.1}x the events/s, {:.1}x fewer requests per event\n",
+                batched.events_per_sec / per_event.events_per_sec,
+                per_event.requests_per_event / batched.requests_per_event
+            );
+        }
+    }
+    for (name, steps, target) in [
+        ("writes (POST /v1/votes)", &r.e2e_writes, 100.0),
+        ("reads (summary, 21 ids)", &r.e2e_reads, 20.0),
+    ] {
+        if steps.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            md,
+            "| e2e {name}, open loop | target/s | achieved/s | p50 ms | p95 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
+        for s in steps.iter() {
+            let l = s.latency_ms;
+            let _ = writeln!(
+                md,
+                "| | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |",
+                s.rate, s.achieved, l.p50, l.p95, l.p99, s.errors
+            );
+        }
+        let best = steps
+            .iter()
+            .filter(|s| {
+                s.latency_ms.p95 < target && (s.errors as f64) < 0.01 * s.latency_ms.count as f64
+            })
+            .map(|s| s.rate)
+            .max();
+        let _ = writeln!(
+            md,
+            "\nHighest rate with p95 under {target} ms: {}\n",
+            best.map_or("none tried".into(), |b| format!("{b}/s"))
+        );
+    }
+    if let (Some(api), Some(bare)) = (&r.e2e_closed_loop_writes, r.store.get(1)) {
+        let _ = writeln!(
+            md,
+            "Vote API closed loop (64 in flight): {:.0} votes/s, p95 {:.1} ms, {} errors; store bare LWT rate {:.0}/s; API / store: {:.2}x",
+            api.ops_per_sec,
+            api.latency_ms.p95,
+            api.conflicts,
+            bare.ops_per_sec,
+            api.ops_per_sec / bare.ops_per_sec
+        );
+    }
+    println!("{md}");
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tally-bench");
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(r).unwrap_or_default(),
+    );
+    let _ = std::fs::write(dir.join("results.md"), &md);
+    let _ = std::fs::write(dir.join("latency.svg"), svg(r));
+    eprintln!("results in {}", dir.display());
+}
+
+/// Latency percentiles of every measured scenario as grouped bars.
+fn svg(r: &Results) -> String {
+    let mut rows: Vec<(String, Percentiles)> = r
+        .store
+        .iter()
+        .map(|s| (format!("store: {}", s.name), s.latency_ms))
+        .collect();
+    if let Some(api) = &r.e2e_closed_loop_writes {
+        rows.push(("API writes, 64 in flight".into(), api.latency_ms));
+    }
+    for (name, steps, target) in [
+        ("API writes", &r.e2e_writes, 100.0),
+        ("API reads (21 ids)", &r.e2e_reads, 20.0),
+    ] {
+        if let Some(best) = steps
+            .iter()
+            .filter(|s| s.latency_ms.p95 < target)
+            .max_by_key(|s| s.rate)
+        {
+            rows.push((
+                format!("{name}, open loop {}/s", best.rate),
+                best.latency_ms,
+            ));
+        }
+    }
+    let max = rows.iter().map(|(_, p)| p.p99).fold(1.0, f64::max);
+    let (width, row_h, left) = (900.0, 54.0, 330.0);
+    let height = 60.0 + row_h * rows.len() as f64;
+    let mut s = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif' font-size='12'>\n\
+         <text x='10' y='20' font-size='14'>Latency percentiles, ms (p50 / p95 / p99), {} at {}</text>\n",
+        r.date, r.commit
+    );
+    for (i, (name, p)) in rows.iter().enumerate() {
+        let y = 40.0 + i as f64 * row_h;
+        let _ = writeln!(
+            s,
+            "<text x='10' y='{:.0}'>{}</text>",
+            y + 20.0,
+            name.replace('&', "and").replace('<', "(").replace('>', ")")
+        );
+        for (j, (label, v, color)) in [
+            ("p50", p.p50, "#4c78a8"),
+            ("p95", p.p95, "#f58518"),
+            ("p99", p.p99, "#e45756"),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let w = (v / max * (width - left - 80.0)).max(1.0);
+            let by = y + j as f64 * 14.0;
+            let _ = writeln!(
+                s,
+                "<rect x='{left}' y='{by:.0}' width='{w:.1}' height='12' fill='{color}'/><text x='{:.1}' y='{:.0}'>{label} {v:.1}</text>",
+                left + w + 4.0,
+                by + 10.0
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}

@@ -1,0 +1,163 @@
+//! The vote API running in-process, and one helper per endpoint.
+
+use std::time::Duration;
+
+use super::rng::Rng;
+use super::{JWT_SECRET, TestEnv};
+
+/// The vote API running in-process on a free port, over a `TestEnv`.
+pub struct TestApp {
+    pub address: String,
+    pub client: reqwest::Client,
+}
+
+impl TestEnv {
+    pub fn api_config(&self) -> tally::api::ApiConfig {
+        tally::api::ApiConfig {
+            listen: "127.0.0.1:0".into(),
+            workers: 2,
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            publish_timeout: Duration::from_secs(5),
+            user_rate: 20.0,
+            user_burst: 60,
+            max_in_flight: 1024,
+            consumer_group: self.group.clone(),
+            auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
+            cache_ttl: tally::cache::TtlPolicy {
+                min: Duration::from_secs(60),
+                max: Duration::from_secs(3600),
+            },
+            stores: self.stores(),
+        }
+    }
+
+    pub async fn spawn_app(&self) -> TestApp {
+        let app = tally::api::Application::build(self.api_config())
+            .await
+            .unwrap_or_else(|e| panic!("app: {e:#}"));
+        let address = format!("http://127.0.0.1:{}", app.port());
+        tokio::spawn(app.run_until_stopped());
+        TestApp {
+            address,
+            client: reqwest::Client::new(),
+        }
+    }
+}
+
+pub fn token(sub: &str) -> String {
+    tally::auth::mint(
+        &tally::auth::AuthConfig::hs256(JWT_SECRET),
+        sub,
+        Duration::from_secs(3600),
+        vec![],
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    /// The error code of a JSON error body.
+    pub fn code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("not an error body: {}", self.body))
+            .to_owned()
+    }
+}
+
+impl TestApp {
+    pub async fn send(&self, req: reqwest::RequestBuilder) -> Reply {
+        let res = req
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request failed: {e}"));
+        let status = res.status().as_u16();
+        let headers = res.headers().clone();
+        let body = res.text().await.unwrap_or_else(|e| panic!("{e}"));
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    /// POST /v1/votes as `user` with `key`.
+    pub async fn vote(
+        &self,
+        user: &str,
+        key: impl AsRef<str>,
+        target: &str,
+        action: &str,
+    ) -> Reply {
+        let body =
+            serde_json::json!({"target_id": target, "target_type": "video", "action": action});
+        self.send(
+            self.client
+                .post(format!("{}/v1/votes", self.address))
+                .bearer_auth(token(user))
+                .header("Idempotency-Key", key.as_ref())
+                .json(&body),
+        )
+        .await
+    }
+
+    pub async fn summary(&self, user: &str, ids: &str) -> Reply {
+        self.send(
+            self.client
+                .get(format!(
+                    "{}/v1/votes/summary?target_ids={ids}",
+                    self.address
+                ))
+                .bearer_auth(token(user)),
+        )
+        .await
+    }
+}
+
+pub fn new_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+impl TestApp {
+    /// Casts `n` votes from `users` users over `targets` targets, `width` at a
+    /// time, with actions drawn from `rng`. Returns how many were answered 200.
+    pub async fn random_votes(
+        &self,
+        rng: &mut Rng,
+        n: usize,
+        users: u64,
+        targets: u64,
+        width: usize,
+    ) -> usize {
+        let actions = ["like", "dislike", "none"];
+        let plan: Vec<(String, String, &str)> = (0..n)
+            .map(|_| {
+                (
+                    format!("u{}", rng.below(users)),
+                    format!("t{}", rng.below(targets)),
+                    actions[rng.below(3) as usize],
+                )
+            })
+            .collect();
+        let mut ok = 0;
+        for chunk in plan.chunks(width) {
+            let replies = futures::future::join_all(
+                chunk.iter().map(|(u, t, a)| self.vote(u, new_key(), t, a)),
+            )
+            .await;
+            ok += replies.iter().filter(|r| r.status == 200).count();
+        }
+        ok
+    }
+}

@@ -1,0 +1,154 @@
+//! Each test's own keyspace, topics, consumer group and Redis prefix.
+
+use std::time::Duration;
+
+use scylla::client::session::Session;
+use tally::bus::{self, KafkaConfig};
+use tally::cache::RedisConfig;
+use tally::store::{self, CassandraConfig, migrate::Replication};
+
+use super::eventually;
+
+/// Partitions of each test's transitions topic: more than one, so ordering
+/// across partitions is exercised.
+pub const TEST_PARTITIONS: i32 = 3;
+
+pub struct TestEnv {
+    pub id: String,
+    pub cassandra: CassandraConfig,
+    pub kafka: KafkaConfig,
+    pub redis: RedisConfig,
+    pub group: String,
+    pub session: Session,
+}
+
+impl TestEnv {
+    pub async fn new() -> TestEnv {
+        if std::env::var_os("TEST_LOG").is_some() {
+            tally::telemetry::init(tally::telemetry::LogFormat::Human);
+        }
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let cassandra = CassandraConfig::local(&format!("t_{id}"));
+        let kafka = KafkaConfig::local(&format!("t-{id}-transitions"));
+        let redis = RedisConfig::local(&format!("t-{id}"));
+        let admin = store::connect(&cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
+        store::migrate::run(&admin, &cassandra.keyspace, &Replication::Simple(1))
+            .await
+            .unwrap_or_else(|e| panic!("migrate failed: {e:#}"));
+        bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, 1)
+            .await
+            .unwrap_or_else(|e| panic!("topics: {e:#}"));
+        let session = store::connect_keyspace(&cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        TestEnv {
+            group: format!("t-{id}-group"),
+            id,
+            cassandra,
+            kafka,
+            redis,
+            session,
+        }
+    }
+}
+
+impl TestEnv {
+    /// A fresh session, after a fault took Cassandra down and up again.
+    pub async fn reconnect(&mut self) {
+        self.session = eventually(
+            "Cassandra to accept a session",
+            Duration::from_secs(120),
+            || async { store::connect_keyspace(&self.cassandra).await.ok() },
+        )
+        .await;
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let (cassandra, kafka, redis) = (
+            self.cassandra.clone(),
+            self.kafka.clone(),
+            self.redis.clone(),
+        );
+        // Drop runs outside async code (and maybe while panicking), so the
+        // clean-up gets a thread and a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(session) = store::connect(&cassandra).await {
+                    let _ = session
+                        .query_unpaged(
+                            format!("DROP KEYSPACE IF EXISTS {}", cassandra.keyspace),
+                            (),
+                        )
+                        .await;
+                }
+                let _ =
+                    bus::admin::delete_topics(&kafka, &[&kafka.topic, &kafka.dead_letter_topic])
+                        .await;
+                if let Ok(pool) = tally::cache::pool(&redis) {
+                    if let Ok(mut conn) = pool.get().await {
+                        let keys: Vec<String> = redis::cmd("KEYS")
+                            .arg(format!("{}:*", redis.prefix))
+                            .query_async(&mut conn)
+                            .await
+                            .unwrap_or_default();
+                        if !keys.is_empty() {
+                            let _: Result<(), _> =
+                                redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+                        }
+                    }
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+impl TestEnv {
+    /// This test's stores, as the API and the consumer are configured.
+    pub fn stores(&self) -> tally::ops::Stores {
+        tally::ops::Stores {
+            cassandra: self.cassandra.clone(),
+            kafka: self.kafka.clone(),
+            redis: self.redis.clone(),
+        }
+    }
+
+    pub async fn reconciler(&self) -> tally::reconcile::Reconciler {
+        let store = tally::store::Store::open(&self.cassandra, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let cache = tally::cache::Cache::new(&self.redis, Duration::from_secs(60)).ok();
+        tally::reconcile::Reconciler::new(std::sync::Arc::new(store), cache)
+    }
+
+    /// Runs a CQL statement of the test's own (to damage data on purpose).
+    pub async fn cql(&self, stmt: &str) {
+        self.session
+            .query_unpaged(stmt, ())
+            .await
+            .unwrap_or_else(|e| panic!("{stmt}: {e}"));
+    }
+
+    /// The `tally` binary with this test's keyspace, topics, group and prefix.
+    pub fn tally(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
+        cmd.env("TALLY_KEYSPACE", &self.cassandra.keyspace)
+            .env("TALLY_TOPIC", &self.kafka.topic)
+            .env("TALLY_DEAD_LETTER_TOPIC", &self.kafka.dead_letter_topic)
+            .env("TALLY_CONSUMER_GROUP", &self.group)
+            .env("TALLY_REDIS_PREFIX", &self.redis.prefix)
+            .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
+            .env("RUST_LOG", "warn");
+        cmd
+    }
+}

@@ -1,0 +1,154 @@
+//! The consumer running in-process, and the transitions topic as the tests
+//! read and write it directly.
+
+use std::time::Duration;
+
+use super::{TEST_PARTITIONS, TestEnv};
+
+/// A consumer running in-process.
+pub struct RunningConsumer {
+    stop: tokio::sync::watch::Sender<bool>,
+    pub progress: std::sync::Arc<tally::consumer::Progress>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningConsumer {
+    pub fn processed(&self) -> u64 {
+        self.progress
+            .processed
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops it the way SIGTERM does, and waits for it to leave the group.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        match tokio::time::timeout(Duration::from_secs(60), self.task).await {
+            Ok(Ok(Ok(()))) => {}
+            other => panic!("consumer did not stop cleanly: {other:?}"),
+        }
+    }
+}
+
+impl TestEnv {
+    pub fn consumer_config(&self) -> tally::consumer::ConsumerConfig {
+        tally::consumer::ConsumerConfig {
+            group: self.group.clone(),
+            batch_max: 200,
+            batch_wait: Duration::from_millis(20),
+            parallelism: 8,
+            drain_timeout: Duration::from_secs(20),
+            mode: tally::consumer::WriteMode::Batched,
+            listen: "127.0.0.1:0".into(),
+            stores: self.stores(),
+        }
+    }
+
+    pub fn start_consumer(&self) -> RunningConsumer {
+        self.start_consumer_with(self.consumer_config())
+    }
+
+    pub fn start_consumer_with(&self, config: tally::consumer::ConsumerConfig) -> RunningConsumer {
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let progress = std::sync::Arc::new(tally::consumer::Progress::default());
+        let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
+        RunningConsumer {
+            stop,
+            progress,
+            task,
+        }
+    }
+
+    /// Publishes raw bytes to the transitions topic, keyed like the API does.
+    pub async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        use rdkafka::producer::{FutureProducer, FutureRecord};
+        let producer: FutureProducer = self
+            .kafka
+            .client()
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
+        producer
+            .send(
+                FutureRecord::to(&self.kafka.topic)
+                    .key(key)
+                    .payload(payload),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap_or_else(|(e, _)| panic!("{e}"));
+    }
+
+    pub async fn publish_transition(
+        &self,
+        user: &str,
+        target: &str,
+        from: &str,
+        to: &str,
+        version: i64,
+    ) {
+        let t = serde_json::json!({
+            "target_id": target, "target_type": "video", "user_id": user,
+            "from": from, "to": to, "version": version, "occurred_at": "2026-11-29T00:00:00.000Z"
+        });
+        self.publish_raw(target, t.to_string().as_bytes()).await;
+    }
+
+    /// How many messages the transitions topic holds (sum of high
+    /// watermarks). The API answers only after Kafka acknowledged, so once a
+    /// response is in, this count is final: no waiting needed to see that
+    /// nothing was published.
+    pub fn published(&self) -> i64 {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let consumer: BaseConsumer = self
+            .kafka
+            .client()
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
+        (0..TEST_PARTITIONS)
+            .map(|p| {
+                let (_, high) = consumer
+                    .fetch_watermarks(&self.kafka.topic, p, Duration::from_secs(10))
+                    .unwrap_or_else(|e| panic!("watermarks: {e}"));
+                high
+            })
+            .sum()
+    }
+
+    /// Every transition on the topic, in partition order.
+    pub async fn transitions(&self) -> Vec<tally::domain::Transition> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::{Message, Offset, TopicPartitionList};
+        let expected = self.published();
+        let consumer: BaseConsumer = self
+            .kafka
+            .client()
+            .set(
+                "group.id",
+                format!("{}-reader-{}", self.group, uuid::Uuid::new_v4().simple()),
+            )
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..TEST_PARTITIONS {
+            tpl.add_partition_offset(&self.kafka.topic, p, Offset::Beginning)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        consumer.assign(&tpl).unwrap_or_else(|e| panic!("{e}"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut out = Vec::new();
+        while (out.len() as i64) < expected {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "read {} of {expected} transitions",
+                out.len()
+            );
+            if let Some(msg) = consumer.poll(Duration::from_millis(200)) {
+                let msg = msg.unwrap_or_else(|e| panic!("{e}"));
+                let t = tally::domain::Transition::from_json(msg.payload().unwrap_or_default())
+                    .unwrap_or_else(|e| panic!("bad event on the topic: {e}"));
+                out.push(t);
+            }
+        }
+        out
+    }
+}
