@@ -303,10 +303,17 @@ async fn e2e_section(results: &mut Results) {
         workers: 2,
         idempotency_ttl: Duration::from_secs(3600),
         publish_timeout: Duration::from_secs(5),
+        publish_wait: Duration::from_millis(500),
         user_rate: 1000.0,
         user_burst: 1000,
         max_in_flight: 4096,
         consumer_group: format!("bench-e2e-{}", std::process::id()),
+        relay: tally::relay::RelayConfig {
+            settle: Duration::from_secs(15),
+            interval: Duration::from_secs(2),
+            horizon: Duration::from_secs(900),
+            disabled: false,
+        },
         auth: tally::auth::AuthConfig::hs256(SECRET),
         cache_ttl: tally::cache::TtlPolicy {
             min: Duration::from_secs(60),

@@ -9,6 +9,8 @@
 #   scripts/stack.sh logs     print where the logs are
 #   scripts/stack.sh restart cassandra|kafka|redis
 #                             stop one server this script started and start it again (fault injection)
+#   scripts/stack.sh stop|start cassandra|kafka|redis
+#                             stop one server, or start it again (an outage of a chosen length)
 #
 # Cassandra and Kafka come from Maven Central (scripts/stack/*/pom.xml); Redis
 # from Debian's redis-server package. State lives under $TALLY_STACK_DIR
@@ -292,6 +294,16 @@ main() {
                 status_one "$name" "$pattern" "$kind" "$port"
             done
             ;;
+        stop)
+            [ -n "${2:-}" ] || { echo "usage: $0 stop $(each_server | paste -sd'|')" >&2; exit 2; }
+            read -r name pattern kind port <<<"$(server_row "$2")"
+            stop_one "$name" "$pattern"
+            ;;
+        start)
+            [ -n "${2:-}" ] || { echo "usage: $0 start $(each_server | paste -sd'|')" >&2; exit 2; }
+            ensure_packages
+            start "$2"
+            ;;
         restart)
             [ -n "${2:-}" ] || { echo "usage: $0 restart $(each_server | paste -sd'|')" >&2; exit 2; }
             read -r name pattern kind port <<<"$(server_row "$2")"
@@ -304,7 +316,7 @@ main() {
             ls -1 "$LOGS"
             ;;
         *)
-            echo "usage: $0 install|up|down|status|logs|restart SERVER" >&2
+            echo "usage: $0 install|up|down|status|logs|start|stop|restart SERVER" >&2
             exit 2
             ;;
     esac

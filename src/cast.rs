@@ -1,22 +1,31 @@
 //! Casting a vote: one conditional, versioned write per change, the
-//! idempotency key committed with it, then the cache and the transition.
+//! idempotency key and the transition committed with it, then the cache and
+//! Kafka.
 //!
 //! The loop reads the user's row and the key's record, and either replays the
 //! recorded answer or writes the change conditioned on the version it read.
-//! A lost race re-reads at SERIAL and tries again, a bounded number of times.
+//! A lost race re-reads at SERIAL and tries again, within a deadline.
+//!
+//! Publication is durable: before its first conditional batch a vote writes
+//! an intent to the outbox, and the batch stores the transition in the key's
+//! record. What happens after the commit (the cache delta, the publish) runs
+//! in a task of its own, so a client that leaves cannot cancel it; whatever
+//! still does not reach Kafka (a crash, an outage) the relay publishes.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::bus::publisher::Publisher;
+use crate::cache::Pending;
 use crate::counts::Counts;
 use crate::domain::{
     Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId,
 };
+use crate::store::outbox::Slot;
 use crate::store::reactions::{Change, KeyRecord};
 use crate::store::{Cas, Store, StoreError};
 
@@ -77,8 +86,12 @@ pub enum CastError {
     KeyReused,
     #[error("too many concurrent changes to this user's reactions; retry")]
     Contention,
-    #[error("Cassandra failed before the vote was known to commit")]
+    #[error("Cassandra failed before the vote could commit")]
     Store(#[from] StoreError),
+    /// A conditional write may have applied, and the read that would tell
+    /// failed too. The client must retry with the same key to learn which.
+    #[error("the vote's outcome could not be learned")]
+    OutcomeUnknown(#[source] StoreError),
     #[error("the vote could not be cast")]
     Unexpected(#[source] anyhow::Error),
 }
@@ -87,16 +100,22 @@ pub enum CastError {
 pub struct CastConfig {
     /// Conditional writes tried before answering `Contention`.
     pub max_attempts: u32,
-    /// Times a committed transition is offered to Kafka before giving up
-    /// (the vote stands; reconcile repairs the count).
-    pub publish_attempts: u32,
+    /// No new conditional write starts after this long. The relay waits
+    /// longer than this before it decides a vote never committed.
+    pub deadline: Duration,
+    /// How long an answer waits for Kafka's acknowledgement of its
+    /// transition. A healthy Kafka answers in milliseconds, so the answer
+    /// follows it; a Kafka that does not answer delays a vote this long and
+    /// no longer, and the relay publishes the transition later.
+    pub publish_wait: Duration,
 }
 
 impl Default for CastConfig {
     fn default() -> Self {
         CastConfig {
             max_attempts: 8,
-            publish_attempts: 3,
+            deadline: Duration::from_secs(8),
+            publish_wait: Duration::from_millis(500),
         }
     }
 }
@@ -104,7 +123,7 @@ impl Default for CastConfig {
 pub struct Caster {
     store: Arc<Store>,
     counts: Counts,
-    publisher: Publisher,
+    after: Arc<AfterCommit>,
     config: CastConfig,
 }
 
@@ -114,6 +133,14 @@ struct Attempt {
     body: String,
 }
 
+/// What runs after a commit, in its own task: nothing the request does
+/// (a disconnect, a timeout) can cancel it.
+struct AfterCommit {
+    store: Arc<Store>,
+    counts: Counts,
+    publisher: Publisher,
+}
+
 impl Caster {
     pub fn new(
         store: Arc<Store>,
@@ -121,10 +148,15 @@ impl Caster {
         publisher: Publisher,
         config: CastConfig,
     ) -> Caster {
+        let after = Arc::new(AfterCommit {
+            store: store.clone(),
+            counts: counts.clone(),
+            publisher,
+        });
         Caster {
             store,
             counts,
-            publisher,
+            after,
             config,
         }
     }
@@ -137,24 +169,33 @@ impl Caster {
         request_id: &str,
     ) -> Result<Answer, CastError> {
         let hash = vote.hash();
+        let started = Instant::now();
         // Written into the key's record, so after an unknown outcome a SERIAL
         // read tells whether this request's own batch is the one that applied.
         let owner = Uuid::new_v4();
         let mut serial = false;
+        // Whether the last attempt's outcome is still unknown.
+        let mut unknown = false;
         let mut attempt: Option<Attempt> = None;
+        let mut intent: Option<Slot> = None;
 
         for n in 0..=self.config.max_attempts {
-            let snap = self
+            let snap = match self
                 .store
                 .reactions
                 .snapshot(user, &vote.target_id, key, serial)
-                .await?;
+                .await
+            {
+                Ok(snap) => snap,
+                Err(e) if unknown => return Err(CastError::OutcomeUnknown(e)),
+                Err(e) => return Err(e.into()),
+            };
 
             if let Some(record) = snap.record {
                 if record.owner == owner {
                     // Our own write, whose outcome was unknown, did apply.
                     return match attempt {
-                        Some(a) => Ok(self.after_commit(a, user, request_id).await),
+                        Some(a) => Ok(self.after_commit(a, user, key, intent, request_id).await),
                         None => Err(CastError::Unexpected(anyhow::anyhow!(
                             "lost track of an applied write"
                         ))),
@@ -163,13 +204,16 @@ impl Caster {
                 if record.request_hash != hash {
                     return Err(CastError::KeyReused);
                 }
+                self.after.republish(&record, user, key, request_id);
                 return Ok(Answer {
                     status: record.status,
                     body: record.body,
                     replayed: true,
                 });
             }
-            if n == self.config.max_attempts {
+            // The read was at SERIAL after any attempt: none of ours applied.
+            unknown = false;
+            if n == self.config.max_attempts || started.elapsed() >= self.config.deadline {
                 break;
             }
 
@@ -192,21 +236,34 @@ impl Caster {
                 }),
                 body: body(&vote.target_id, before.apply(delta), vote.action)?,
             };
+            if a.transition.is_some() && intent.is_none() {
+                // Before the change can commit, so the relay can find it.
+                intent = Some(self.store.outbox.intend(user, key).await?);
+            }
+            let transition = match &a.transition {
+                Some((t, _)) => Some(
+                    String::from_utf8(t.to_json().map_err(|e| CastError::Unexpected(e.into()))?)
+                        .map_err(|e| CastError::Unexpected(e.into()))?,
+                ),
+                None => None,
+            };
             let record = KeyRecord {
                 request_hash: hash.clone(),
                 owner,
                 status: 200,
                 body: a.body.clone(),
+                transition,
+                intent_bucket: intent.map(|slot| slot.bucket),
             };
 
-            if snap.current.is_none() && a.transition.is_some() {
-                // Before the first reaction commits, so the sweep can find it.
-                self.store
-                    .targets
-                    .register(&vote.target_id, vote.target_type)
-                    .await?;
-            }
             let outcome = if a.transition.is_some() {
+                if snap.current.is_none() {
+                    // Before the first reaction commits, so the sweep can find it.
+                    self.store
+                        .targets
+                        .register(&vote.target_id, vote.target_type)
+                        .await?;
+                }
                 let change = Change {
                     user,
                     target: &vote.target_id,
@@ -224,12 +281,15 @@ impl Caster {
             };
             crate::metrics::cas("vote", &outcome);
             match outcome {
-                Cas::Applied => return Ok(self.after_commit(a, user, request_id).await),
+                Cas::Applied => {
+                    return Ok(self.after_commit(a, user, key, intent, request_id).await);
+                }
                 Cas::NotApplied => {
                     tracing::debug!(user = %user, target_id = %vote.target_id, attempt = n, "conditional write lost a race; retrying");
                 }
                 Cas::Unknown(e) => {
-                    tracing::warn!(user = %user, target_id = %vote.target_id, error = %e, "conditional write outcome unknown; reading at SERIAL");
+                    unknown = true;
+                    tracing::warn!(user = %user, target_id = %vote.target_id, error = format!("{e:#}"), "conditional write outcome unknown; reading at SERIAL");
                 }
                 Cas::Failed(e) => return Err(StoreError::Request(e).into()),
             }
@@ -244,12 +304,43 @@ impl Caster {
         Err(CastError::Contention)
     }
 
-    async fn after_commit(&self, attempt: Attempt, user: &UserId, request_id: &str) -> Answer {
-        if let Some((transition, delta)) = &attempt.transition {
-            self.counts
-                .apply_committed(&transition.target_id, *delta)
-                .await;
-            self.publish(transition, user, request_id).await;
+    /// Moves the cache and publishes, in a task of its own. The answer waits
+    /// for the cache (so the voter's next read counts the vote), and for
+    /// Kafka only up to `publish_wait`: the transition is already durable in
+    /// the outbox.
+    async fn after_commit(
+        &self,
+        attempt: Attempt,
+        user: &UserId,
+        key: &IdempotencyKey,
+        intent: Option<Slot>,
+        request_id: &str,
+    ) -> Answer {
+        if let Some((transition, _)) = attempt.transition {
+            let (cached, cache_done) = tokio::sync::oneshot::channel();
+            let (published, publish_done) = tokio::sync::oneshot::channel();
+            let after = self.after.clone();
+            let (user, key, request_id) = (user.clone(), key.clone(), request_id.to_owned());
+            tokio::spawn(async move {
+                let change = Pending {
+                    user: &user,
+                    version: transition.version,
+                    from: transition.from,
+                    to: transition.to,
+                };
+                after
+                    .counts
+                    .apply_committed(&transition.target_id, &change)
+                    .await;
+                let _ = cached.send(());
+                after
+                    .publish(&transition, &user, &key, intent, &request_id)
+                    .await;
+                let _ = published.send(());
+            });
+            // Only a panic in the task can drop a sender; the vote stands.
+            let _ = cache_done.await;
+            let _ = tokio::time::timeout(self.config.publish_wait, publish_done).await;
         }
         Answer {
             status: 200,
@@ -257,28 +348,85 @@ impl Caster {
             replayed: false,
         }
     }
+}
 
-    /// Offers the transition to Kafka a few times. If it never gets there the
-    /// vote still stands (it is committed); the per-user row keeps the truth
-    /// and reconcile puts it into the totals.
-    async fn publish(&self, transition: &Transition, user: &UserId, request_id: &str) {
-        let mut backoff = Duration::from_millis(100);
-        for n in 1..=self.config.publish_attempts {
-            match self.publisher.publish(transition, request_id).await {
-                Ok(()) => return,
-                Err(e) if n < self.config.publish_attempts => {
-                    tracing::warn!(error = %e, attempt = n, "publish failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff *= 4;
-                }
-                Err(e) => {
-                    metrics::counter!(crate::metrics::PUBLISH_FAILURES).increment(1);
-                    tracing::error!(
-                        user = %user, target_id = %transition.target_id, version = transition.version, error = %e,
-                        "committed transition not published; reconcile will repair this target"
-                    );
+impl AfterCommit {
+    /// Offers the transition to Kafka once. If Kafka does not take it, the
+    /// vote still stands and the relay publishes it from the outbox.
+    async fn publish(
+        &self,
+        transition: &Transition,
+        user: &UserId,
+        key: &IdempotencyKey,
+        intent: Option<Slot>,
+        request_id: &str,
+    ) {
+        match self.publisher.publish(transition, request_id).await {
+            Ok(()) => {
+                if let Some(slot) = intent {
+                    // Spares the relay a check; losing it costs only that.
+                    if let Err(e) = self.store.outbox.resolve(slot, user, key).await {
+                        tracing::debug!(
+                            error = format!("{:#}", anyhow::Error::new(e)),
+                            "intent not marked resolved; the relay will check it"
+                        );
+                    }
                 }
             }
+            Err(e) => {
+                metrics::counter!(crate::metrics::PUBLISH_DEFERRED).increment(1);
+                tracing::warn!(
+                    user = %user, target_id = %transition.target_id, version = transition.version,
+                    error = format!("{e:#}"), "transition not published now; the relay will publish it"
+                );
+            }
         }
+    }
+
+    /// A replay may be the retry of a vote whose process died before it
+    /// published. Unless its intent is known resolved, it publishes again:
+    /// harmless (the consumer counts each version once), and it spares
+    /// waiting for the relay.
+    fn republish(
+        self: &Arc<Self>,
+        record: &KeyRecord,
+        user: &UserId,
+        key: &IdempotencyKey,
+        request_id: &str,
+    ) {
+        let (Some(json), Some(bucket)) = (&record.transition, record.intent_bucket) else {
+            return;
+        };
+        let transition = match Transition::from_json(json.as_bytes()) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(error = %e, "a stored transition does not parse; reconcile repairs its target");
+                return;
+            }
+        };
+        let (after, user, key, request_id) = (
+            self.clone(),
+            user.clone(),
+            key.clone(),
+            request_id.to_owned(),
+        );
+        tokio::spawn(async move {
+            if let Ok(true) = after.store.outbox.is_resolved(bucket, &user, &key).await {
+                return;
+            }
+            let slot = Slot {
+                bucket,
+                shard: crate::store::outbox::shard_of(&user),
+            };
+            if after
+                .publisher
+                .publish(&transition, &request_id)
+                .await
+                .is_ok()
+            {
+                metrics::counter!(crate::metrics::REPLAYS_REPUBLISHED).increment(1);
+                let _ = after.store.outbox.resolve(slot, &user, &key).await;
+            }
+        });
     }
 }

@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use futures::future::try_join_all;
 
-use crate::cache::Cache;
-use crate::domain::{Delta, TargetId, Totals};
+use crate::cache::{Cache, Pending};
+use crate::domain::{TargetId, Totals};
 use crate::store::Store;
 use crate::store::StoreError;
+use crate::store::stats::ReadAt;
 
 #[derive(Clone)]
 pub struct Counts {
@@ -44,12 +45,13 @@ impl Counts {
             match hit {
                 Some(t) => Ok(t),
                 None => {
-                    let durable = self.store.stats.totals(target).await?;
+                    let head = self.store.stats.head(target, ReadAt::Quorum).await?;
+                    let seq = head.seq.unwrap_or(0);
                     Ok(self
                         .cache
-                        .fill_then_apply(target, durable, Delta::default())
+                        .fill(target, seq, head.totals)
                         .await
-                        .unwrap_or(durable))
+                        .unwrap_or(head.totals))
                 }
             }
         });
@@ -61,31 +63,32 @@ impl Counts {
         Ok(all.pop().unwrap_or_default())
     }
 
-    /// Applies a committed change to the cache. Must run before the change is
-    /// published: a miss refills from the durable totals, which cannot yet
-    /// include this change, so the delta is counted exactly once. A cache
-    /// failure costs freshness until the entry expires, never the vote.
-    pub async fn apply_committed(&self, target: &TargetId, delta: Delta) {
-        if delta.is_zero() {
-            return;
-        }
-        let result = match self.cache.apply(target, delta).await {
-            Ok(Some(_)) => Ok(()),
-            Ok(None) => match self.store.stats.totals(target).await {
-                Ok(durable) => self
-                    .cache
-                    .fill_then_apply(target, durable, delta)
-                    .await
-                    .map(|_| ()),
+    /// Counts a committed change in the cache, ahead of the consumer. Runs
+    /// before the change is published, and Redis refuses it once its
+    /// deadline has passed, so the consumer's write of the same change can
+    /// never land before it. A miss fills from the durable head first. A
+    /// cache failure costs freshness until the consumer's next write of the
+    /// target, never the vote.
+    pub async fn apply_committed(&self, target: &TargetId, change: &Pending<'_>) {
+        let result = match self.cache.apply(target, change, None).await {
+            Ok(true) => Ok(()),
+            Ok(false) => match self.store.stats.head(target, ReadAt::Quorum).await {
+                Ok(head) => {
+                    let durable = (head.seq.unwrap_or(0), head.totals);
+                    self.cache
+                        .apply(target, change, Some(durable))
+                        .await
+                        .map(|_| ())
+                }
                 Err(e) => {
-                    tracing::warn!(target_id = %target, error = %e, "no durable totals to refill the cache from");
+                    tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
                     Ok(())
                 }
             },
             Err(e) => Err(e),
         };
         if let Err(e) = result {
-            tracing::warn!(target_id = %target, error = %e, "count cache not updated; it catches up when the entry expires");
+            tracing::warn!(target_id = %target, error = %e, "count cache not updated; the consumer's next write of this target corrects it");
         }
     }
 }

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use crate::cache::{Cache, Written};
 use crate::domain::{Applied, TargetId, TargetType, Totals, UserId};
 use crate::store::stats::{FencedWrite, Head, ReadAt, Stats};
 use crate::store::{Cas, StoreError};
@@ -86,9 +87,12 @@ pub struct Fenced {
 
 /// Runs rounds until the writer settles, its last write lands, or the fence
 /// is lost `max_lost` times (`None`: never give up). A store error ends it at
-/// once; what landed before stays landed, and is self-consistent.
+/// once; what landed before stays landed, and is self-consistent. Every
+/// write that lands is written through to `cache` (with its seq), so served
+/// counts follow the durable ones.
 pub async fn write(
     stats: &Stats,
+    cache: Option<&Cache>,
     target: &TargetId,
     scope: Scope<'_>,
     max_lost: Option<u32>,
@@ -134,6 +138,16 @@ pub async fn write(
         match outcome {
             Cas::Applied => {
                 done.writes += 1;
+                if let Some(cache) = cache {
+                    let written = Written {
+                        seq: head.seq.unwrap_or(0) + 1,
+                        totals,
+                        users: &users,
+                    };
+                    if let Err(e) = cache.write_through(target, &written).await {
+                        tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+                    }
+                }
                 if !more {
                     done.ending = Ending::Written;
                     return Ok(done);

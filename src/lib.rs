@@ -13,5 +13,6 @@ pub mod fence;
 pub mod metrics;
 pub mod ops;
 pub mod reconcile;
+pub mod relay;
 pub mod store;
 pub mod telemetry;

@@ -25,8 +25,19 @@ pub const CAS: &str = "tally_cas_total";
 pub const DRIFT_FOUND: &str = "tally_reconcile_drift_found_total";
 pub const DRIFT_REPAIRED: &str = "tally_reconcile_drift_repaired_total";
 pub const RECONCILE_CHECKED: &str = "tally_reconcile_targets_checked_total";
-/// Committed transitions that never reached Kafka (reconcile repairs them).
-pub const PUBLISH_FAILURES: &str = "tally_publish_failures_total";
+/// Committed transitions Kafka did not take when they were cast; the relay
+/// publishes them from the outbox.
+pub const PUBLISH_DEFERRED: &str = "tally_publish_deferred_total";
+/// The outbox: intents the relay found not yet resolved in its last pass,
+/// and how old the oldest of them is.
+pub const OUTBOX_BACKLOG: &str = "tally_outbox_backlog";
+pub const OUTBOX_OLDEST_SECONDS: &str = "tally_outbox_oldest_seconds";
+/// Transitions the relay published from the outbox.
+pub const RELAY_PUBLISHED: &str = "tally_relay_published_total";
+/// Replays of a key that published its transition again.
+pub const REPLAYS_REPUBLISHED: &str = "tally_replays_republished_total";
+/// Whether each dependency answered its last check (1) or not (0).
+pub const DEPENDENCY_UP: &str = "tally_dependency_up";
 pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
 pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
@@ -111,8 +122,29 @@ fn describe() {
     describe_counter!(DRIFT_REPAIRED, "drifted targets repaired");
     describe_counter!(RECONCILE_CHECKED, "targets recounted");
     describe_counter!(
-        PUBLISH_FAILURES,
-        "committed transitions never published (reconcile repairs the count)"
+        PUBLISH_DEFERRED,
+        "committed transitions Kafka did not take at once; the relay publishes them"
+    );
+    describe_gauge!(
+        OUTBOX_BACKLOG,
+        "outbox intents not yet resolved, as of the relay's last pass"
+    );
+    describe_gauge!(
+        OUTBOX_OLDEST_SECONDS,
+        Unit::Seconds,
+        "age of the oldest unresolved outbox intent"
+    );
+    describe_counter!(
+        RELAY_PUBLISHED,
+        "transitions the relay published from the outbox"
+    );
+    describe_counter!(
+        REPLAYS_REPUBLISHED,
+        "replays of a key that published its transition again"
+    );
+    describe_gauge!(
+        DEPENDENCY_UP,
+        "whether a dependency answered its last check (1) or not (0)"
     );
     describe_counter!(DEAD_LETTERED, "events sent to the dead-letter topic");
     describe_counter!(

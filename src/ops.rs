@@ -1,9 +1,15 @@
 //! What operators poll: `/metrics` (Prometheus text), `/healthz` (the process
-//! is alive) and `/readyz` (Cassandra, Kafka and Redis answer; 503 naming the
-//! ones that do not). The vote API mounts these beside its routes; the
-//! consumer serves them on its own `--listen` address.
+//! is alive, with each dependency's last state) and `/readyz` (503 naming the
+//! dependencies the role cannot work without). The vote API mounts these
+//! beside its routes; the consumer serves them on its own `--listen` address.
+//!
+//! The vote API does not need Kafka to take a vote: a vote commits to
+//! Cassandra and the outbox relay publishes it once Kafka answers. So for
+//! the API a Kafka outage is reported (degraded), never a reason to be
+//! pulled from a load balancer. The consumer cannot work without Kafka.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix_web::{App, HttpResponse, HttpServer, web};
@@ -33,16 +39,45 @@ pub struct Readiness {
     store: Arc<Store>,
     kafka: bus::Probe,
     cache: Cache,
+    /// Whether the role is unready without Kafka.
+    needs_kafka: bool,
+    /// Each dependency's state at its last check, for `/healthz`.
+    last: Arc<Mutex<BTreeMap<&'static str, bool>>>,
 }
 
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Readiness {
-    pub fn new(store: Arc<Store>, kafka: &KafkaConfig, cache: Cache) -> anyhow::Result<Readiness> {
+    /// The vote API's: Cassandra and Redis; Kafka only reported.
+    pub fn for_api(
+        store: Arc<Store>,
+        kafka: &KafkaConfig,
+        cache: Cache,
+    ) -> anyhow::Result<Readiness> {
+        Readiness::new(store, kafka, cache, false)
+    }
+
+    /// The consumer's: all three.
+    pub fn for_consumer(
+        store: Arc<Store>,
+        kafka: &KafkaConfig,
+        cache: Cache,
+    ) -> anyhow::Result<Readiness> {
+        Readiness::new(store, kafka, cache, true)
+    }
+
+    fn new(
+        store: Arc<Store>,
+        kafka: &KafkaConfig,
+        cache: Cache,
+        needs_kafka: bool,
+    ) -> anyhow::Result<Readiness> {
         Ok(Readiness {
             store,
             kafka: bus::Probe::new(kafka)?,
             cache,
+            needs_kafka,
+            last: Arc::default(),
         })
     }
 
@@ -70,18 +105,47 @@ impl Readiness {
             }
         };
         let (c, k, r) = tokio::join!(cassandra, kafka, redis);
+        for (name, failed) in [("cassandra", &c), ("kafka", &k), ("redis", &r)] {
+            let up = failed.is_none();
+            metrics::gauge!(crate::metrics::DEPENDENCY_UP, "dependency" => name).set(if up {
+                1.0
+            } else {
+                0.0
+            });
+            if let Ok(mut last) = self.last.lock() {
+                last.insert(name, up);
+            }
+        }
         [c, k, r].into_iter().flatten().collect()
+    }
+
+    /// Checks every dependency and sorts the failing ones into those the
+    /// role cannot work without, and those it can.
+    async fn check(&self) -> (Vec<(&'static str, String)>, Vec<&'static str>) {
+        let (needed, degraded) = self
+            .failing()
+            .await
+            .into_iter()
+            .partition(|(name, _)| *name != "kafka" || self.needs_kafka);
+        (needed, degraded.into_iter().map(|(name, _)| name).collect())
     }
 }
 
-pub async fn healthz() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "ok"}))
+/// Alive, with each dependency's state as of its last check (every
+/// `/readyz` checks them all).
+pub async fn healthz(readiness: web::Data<Readiness>) -> HttpResponse {
+    let last = readiness.last.lock().map(|l| l.clone()).unwrap_or_default();
+    let dependencies: serde_json::Map<String, serde_json::Value> = last
+        .into_iter()
+        .map(|(name, up)| (name.to_owned(), json!(if up { "up" } else { "down" })))
+        .collect();
+    HttpResponse::Ok().json(json!({"status": "ok", "dependencies": dependencies}))
 }
 
 pub async fn readyz(readiness: web::Data<Readiness>) -> HttpResponse {
-    let failing = readiness.failing().await;
+    let (failing, degraded) = readiness.check().await;
     if failing.is_empty() {
-        return HttpResponse::Ok().json(json!({"status": "ready"}));
+        return HttpResponse::Ok().json(json!({"status": "ready", "degraded": degraded}));
     }
     let names: Vec<&str> = failing.iter().map(|(n, _)| *n).collect();
     let detail: serde_json::Map<String, serde_json::Value> = failing

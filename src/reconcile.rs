@@ -17,7 +17,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::cache::Cache;
-use crate::domain::{Ledger, TargetId, Totals, UserId};
+use crate::domain::{Applied, Ledger, TargetId, Totals, UserId};
 use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
 use crate::store::reactions::Current;
 use crate::store::targets::Checkpoint;
@@ -68,6 +68,7 @@ impl Reconciler {
         };
         let done = fence::write(
             &self.store.stats,
+            self.cache.as_ref(),
             target,
             Scope::Everyone,
             Some(MAX_ROUNDS),
@@ -93,11 +94,6 @@ impl Reconciler {
             return Ok(report);
         }
         metrics::counter!(crate::metrics::DRIFT_REPAIRED).increment(1);
-        if let Some(cache) = &self.cache {
-            if let Err(e) = cache.invalidate(target).await {
-                tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "cached totals not dropped; they expire with their TTL");
-            }
-        }
         tracing::warn!(
             target_id = %target, before = %report.totals_before, after = %report.totals_after,
             users_behind = report.users_behind, "drift found and repaired"
@@ -146,7 +142,21 @@ impl Reconciler {
                 if let Some(t) = tick.as_mut() {
                     t.tick().await;
                 }
-                let report = self.target(&target, options.dry_run).await?;
+                let report = match self.target(&target, options.dry_run).await {
+                    Ok(report) => report,
+                    // A target the consumer keeps writing is left for the
+                    // next sweep; the consumer keeps it current meanwhile.
+                    Err(ReconcileError::Contention(id)) => {
+                        tracing::info!(target_id = %id, "target skipped: the fence kept moving; the next sweep retries it");
+                        summary.targets_skipped += 1;
+                        if summary.skipped.len() < MAX_LISTED {
+                            summary.skipped.push(id);
+                        }
+                        cp.last_token = Some(token);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 summary.targets_checked += 1;
                 cp.checked += 1;
                 if report.drifted {
@@ -190,9 +200,27 @@ impl Fold for Recount<'_> {
         let base = read.applied;
         // Damaged totals are replaced by the sum of the applied states.
         let recounted = Totals::count(base.values().map(|a| a.state));
+        // Applied rows of users with no row in `reactions`, confirmed one by
+        // one by key (an index read could miss a row; a key read cannot).
+        let mut ghosts = Vec::new();
+        for user in base.keys().filter(|u| !truth.contains_key(*u)) {
+            if base.get(user).is_some_and(|a| *a != Applied::NEVER)
+                && self
+                    .store
+                    .reactions
+                    .states(user, std::slice::from_ref(target))
+                    .await?
+                    .is_empty()
+            {
+                ghosts.push(user.clone());
+            }
+        }
         let mut plan = Ledger::new(recounted, base.clone());
         for (user, row) in &truth {
-            plan.apply_row(user, row.version, row.state);
+            plan.correct_row(user, row.version, row.state);
+        }
+        for user in &ghosts {
+            plan.forget(user);
         }
         let behind: Vec<&UserId> = plan.changed.iter().collect();
         let drifted = recounted != before || !behind.is_empty();
@@ -215,8 +243,9 @@ impl Fold for Recount<'_> {
         let chunk = &behind[..behind.len().min(MAX_USERS_PER_WRITE)];
         let mut ledger = Ledger::new(recounted, base);
         for user in chunk {
-            if let Some(row) = truth.get(*user) {
-                ledger.apply_row(user, row.version, row.state);
+            match truth.get(*user) {
+                Some(row) => ledger.correct_row(user, row.version, row.state),
+                None => ledger.forget(user),
             }
         }
         Ok(Step::Write {
@@ -252,6 +281,10 @@ pub struct SweepStatus {
 pub struct SweepSummary {
     pub targets_checked: u64,
     pub targets_drifted: u64,
+    /// Targets whose fence kept moving (a consumer writing them all along),
+    /// left for the next sweep.
+    pub targets_skipped: u64,
+    pub skipped: Vec<String>,
     pub corrections: Vec<Report>,
     /// The token this run resumed after, if it resumed.
     pub resumed_from: Option<i64>,

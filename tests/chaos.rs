@@ -342,17 +342,27 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     // Faults, at fixed points of the run.
     let fault_at = |f: f64| Duration::from_secs_f64(secs as f64 * f);
     let started = Instant::now();
+    // Outages last 60 s (Kafka) and 20 s (Redis) in a long run, and a
+    // proportional share of a short one.
+    let kafka_outage = Duration::from_secs_f64((secs as f64 * 0.15).min(60.0));
+    let redis_freeze = Duration::from_secs_f64((secs as f64 * 0.10).min(20.0));
     let mut schedule: Vec<(Duration, &'static str)> = vec![
-        (fault_at(0.10), "kill -9 tally consumer"),
-        (fault_at(0.25), "kill -9 tally vote"),
-        (fault_at(0.40), "redis FLUSHALL"),
+        (fault_at(0.05), "kill -9 tally consumer"),
+        (fault_at(0.10), "kill -9 tally vote"),
+        (fault_at(0.40), "kill -9 tally vote"),
+        (fault_at(0.45), "redis FLUSHALL"),
         (fault_at(0.50), "redis restart"),
-        (fault_at(0.60), "kill -9 tally consumer"),
+        (fault_at(0.55), "kill -9 tally consumer"),
+        (fault_at(0.60), "redis freeze"),
+        (fault_at(0.60) + redis_freeze, "redis thaw"),
+        (fault_at(0.78), "kill -9 tally vote"),
     ];
     if stack_restarts {
-        schedule.push((fault_at(0.70), "kafka restart"));
+        schedule.push((fault_at(0.15), "kafka stop"));
+        schedule.push((fault_at(0.15) + kafka_outage, "kafka start"));
         schedule.push((fault_at(0.85), "cassandra restart"));
     }
+    schedule.sort_by_key(|(at, _)| *at);
     for (at, fault) in schedule {
         if let Some(wait) = at.checked_sub(started.elapsed()) {
             tokio::time::sleep(wait).await;
@@ -384,7 +394,20 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
                 }
                 svc.start_redis();
             }
-            "kafka restart" => tokio::task::block_in_place(|| stack(&["restart", "kafka"])),
+            "kafka stop" => tokio::task::block_in_place(|| stack(&["stop", "kafka"])),
+            "kafka start" => tokio::task::block_in_place(|| stack(&["start", "kafka"])),
+            "redis freeze" | "redis thaw" => {
+                if let Some(r) = &svc.redis {
+                    let sig = if fault == "redis freeze" {
+                        "-STOP"
+                    } else {
+                        "-CONT"
+                    };
+                    let _ = Command::new("kill")
+                        .args([sig, &r.0.id().to_string()])
+                        .status();
+                }
+            }
             "cassandra restart" => tokio::task::block_in_place(|| stack(&["restart", "cassandra"])),
             _ => {}
         }
@@ -419,12 +442,34 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     .await;
 
     // --- the checker ---------------------------------------------------
-    let truth = env.recount().await;
-    let stats = env.stats().await;
-    let drift_before: Vec<&String> = truth
-        .keys()
-        .filter(|t| stats.get(*t) != truth.get(*t))
-        .collect();
+    // Before any reconcile, the durable totals converge to the recount of
+    // `reactions`: the outbox relay publishes what the faults kept from
+    // Kafka. How long that takes after the load ends is part of the report.
+    let drift_at_drain = {
+        let (truth, stats) = (env.recount().await, env.stats().await);
+        truth
+            .keys()
+            .filter(|t| stats.get(*t) != truth.get(*t))
+            .count()
+    };
+    let converging = Instant::now();
+    let (truth, drift_before) = loop {
+        let (truth, stats) = (env.recount().await, env.stats().await);
+        let drift: Vec<String> = truth
+            .keys()
+            .filter(|t| stats.get(*t) != truth.get(*t))
+            .cloned()
+            .collect();
+        if drift.is_empty() || converging.elapsed() > Duration::from_secs(90) {
+            break (truth, drift);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let converged_secs = converging.elapsed().as_secs_f64();
+    eprintln!(
+        "chaos: {drift_at_drain} target(s) behind at drain; {} after {converged_secs:.1} s, with no reconcile",
+        drift_before.len()
+    );
 
     // Versions: every version of every (user, target) should have been
     // published, except those lost to a kill between commit and publish.
@@ -597,7 +642,9 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         "targets": truth.len(),
         "transitions_published": transitions.len(),
         "versions_never_published": unpublished_versions,
+        "targets_behind_at_drain": drift_at_drain,
         "targets_drifted_before_reconcile": drift_before.len(),
+        "seconds_to_converge_without_reconcile": converged_secs,
         "reconcile": {"checked": reconcile["targets_checked"], "drifted": reconcile["targets_drifted"]},
         "targets_drifted_after_reconcile": 0,
         "cache_mismatches_after_ttl": 0,
@@ -612,11 +659,11 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         dir.join(format!("report-seed{seed}.json")),
         report.to_string(),
     );
-    // Drift before reconcile can only come from a publish lost between a
-    // commit and its publish (a kill -9 of tally vote, or Kafka down).
+    // Every committed transition reached the totals with no reconcile,
+    // within a minute of the load ending.
     assert!(
-        drift_before.is_empty() || unpublished_versions > 0,
-        "drift before reconcile with every version published: {:?}",
+        drift_before.is_empty() && converged_secs < 60.0,
+        "drift before reconcile after {converged_secs:.0} s: {:?}",
         &drift_before[..drift_before.len().min(5)]
     );
     drop(svc);

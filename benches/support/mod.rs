@@ -106,6 +106,8 @@ pub async fn lwt_vote(
         owner: uuid::Uuid::new_v4(),
         status: 200,
         body: "{}".into(),
+        transition: None,
+        intent_bucket: None,
     };
     let change = Change {
         user,

@@ -37,6 +37,10 @@ pub enum ApiError {
         "a dependency is unavailable; nothing was changed, retry with the same Idempotency-Key"
     )]
     Unavailable(#[source] anyhow::Error),
+    #[error(
+        "the vote may or may not have been recorded; retry with the same Idempotency-Key to learn which"
+    )]
+    OutcomeUnknown(#[source] anyhow::Error),
 }
 
 impl ApiError {
@@ -61,6 +65,7 @@ impl ApiError {
             ApiError::RateLimited(_) => "rate_limited",
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::OutcomeUnknown(_) => "outcome_unknown",
         }
     }
 }
@@ -71,6 +76,7 @@ impl From<CastError> for ApiError {
             CastError::KeyReused => ApiError::KeyReused,
             CastError::Contention => ApiError::Contention,
             CastError::Store(e) => ApiError::Unavailable(e.into()),
+            CastError::OutcomeUnknown(e) => ApiError::OutcomeUnknown(e.into()),
             CastError::Unexpected(e) => ApiError::Unavailable(e),
         }
     }
@@ -95,14 +101,20 @@ impl ResponseError for ApiError {
             ApiError::Contention => StatusCode::CONFLICT,
             ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::OutcomeUnknown(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
     fn error_response(&self) -> HttpResponse {
         // The log gets the whole cause chain; the client a clean message.
-        if let ApiError::Unavailable(cause) = self {
-            tracing::warn!(error = format!("{cause:#}"), "answered 503");
+        if let ApiError::Unavailable(cause) | ApiError::OutcomeUnknown(cause) = self {
+            tracing::warn!(
+                code = self.code(),
+                error = format!("{cause:#}"),
+                "answered 503"
+            );
         }
         let mut res = HttpResponse::build(self.status_code());
         match self {
@@ -118,7 +130,10 @@ impl ResponseError for ApiError {
                     res.insert_header((header::WWW_AUTHENTICATE, v));
                 }
             }
-            ApiError::Contention | ApiError::Unavailable(_) | ApiError::Overloaded => {
+            ApiError::Contention
+            | ApiError::Unavailable(_)
+            | ApiError::OutcomeUnknown(_)
+            | ApiError::Overloaded => {
                 res.insert_header((header::RETRY_AFTER, "1"));
             }
             ApiError::MethodNotAllowed(allow) => {

@@ -28,6 +28,7 @@ use crate::cast::{CastConfig, Caster};
 use crate::counts::Counts;
 use crate::ops::{self, Readiness, Stores};
 use crate::reconcile::Reconciler;
+use crate::relay::{Relay, RelayConfig};
 use crate::store::Store;
 use error::ApiError;
 
@@ -46,9 +47,15 @@ pub struct ApiConfig {
     #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = humantime::parse_duration)]
     pub idempotency_ttl: Duration,
 
-    /// How long one attempt to publish a transition may take.
+    /// How long one attempt to publish a transition may take; after that the
+    /// relay publishes it from the outbox.
     #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
+
+    /// How long an answer waits for Kafka to acknowledge its transition. A
+    /// vote never waits longer, however long Kafka is away.
+    #[arg(long = "publish-wait", env = "TALLY_PUBLISH_WAIT", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub publish_wait: Duration,
 
     /// Votes per second each user may cast (a token bucket; 429 beyond it).
     #[arg(long = "user-rate", env = "TALLY_USER_RATE", default_value_t = 20.0)]
@@ -66,6 +73,8 @@ pub struct ApiConfig {
     #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
     pub consumer_group: String,
 
+    #[command(flatten)]
+    pub relay: RelayConfig,
     #[command(flatten)]
     pub auth: AuthConfig,
     #[command(flatten)]
@@ -108,11 +117,28 @@ impl Application {
         let caster = Caster::new(
             store.clone(),
             counts.clone(),
-            publisher,
-            CastConfig::default(),
+            publisher.clone(),
+            CastConfig {
+                publish_wait: config.publish_wait,
+                ..CastConfig::default()
+            },
         );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
-        let readiness = web::Data::new(Readiness::new(
+        let longest_vote = CastConfig::default().deadline
+            + Duration::from_millis(config.stores.cassandra.request_timeout_ms);
+        if !config.relay.disabled && config.relay.settle <= longest_vote {
+            // The relay could decide that a vote still in flight never
+            // committed; if its own publish then failed, only reconcile
+            // would count it.
+            tracing::warn!(
+                settle = ?config.relay.settle, longest_vote = ?longest_vote,
+                "--relay-settle is shorter than a vote may take; raise it"
+            );
+        }
+        if !config.relay.disabled {
+            tokio::spawn(Relay::new(store.clone(), publisher.clone(), config.relay.clone()).run());
+        }
+        let readiness = web::Data::new(Readiness::for_api(
             store.clone(),
             &config.stores.kafka,
             cache.clone(),

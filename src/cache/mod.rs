@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use deadpool_redis::{Config, Pool, Runtime};
@@ -11,7 +11,7 @@ use redis::Script;
 
 use crate::bus::{KafkaConfig, lag};
 use crate::domain::reaction::N_COUNTED;
-use crate::domain::{Delta, Reaction, TargetId, Totals};
+use crate::domain::{Applied, Reaction, TargetId, Totals, UserId};
 
 /// Where Redis is.
 #[derive(clap::Args, Debug, Clone)]
@@ -58,82 +58,208 @@ pub enum CacheError {
     Shape(usize),
 }
 
-/// Moves an existing entry by a delta; an absent entry stays absent, so a
-/// delta can never become a whole count. Served counts never go below zero.
-/// ARGV: n, then n field names, then n moves.
+// One entry per target, a hash:
+//   seq        the `target_stats` seq its base was read or written at
+//   b:<name>   the base: the durable totals as of `seq`
+//   v:<name>   the served totals: the base plus every pending change
+//   p:<user>   a pending change, "version|to|from": the vote path counted
+//              the user at `to` (their row at `version`), and the base counts
+//              them at `from`
+// The consumer (and reconcile) write each durable write through, with its
+// seq: the base becomes exact, the pending changes it now includes go, and
+// an older seq never overwrites a newer one. So a served count is wrong at
+// most until the consumer catches up, however entries expire and refill.
+
+/// Shared by the scripts: moves a served total for a state (none counts
+/// nowhere), and recomputes the served totals from the base and the pending
+/// changes.
+const LIB: &str = r"
+local function move(key, state, d)
+  if state ~= 'none' then redis.call('HINCRBY', key, 'v:' .. state, d) end
+end
+local function parse(p)
+  local v, to, from = string.match(p, '^(%d+)|([^|]*)|([^|]*)$')
+  return tonumber(v), to, from
+end
+local function served(key, names)
+  local out = {}
+  for i, name in ipairs(names) do
+    out[i] = tonumber(redis.call('HGET', key, 'v:' .. name) or '0')
+  end
+  return out
+end
+local function fill(key, names, base, seq, ttl)
+  for i, name in ipairs(names) do
+    redis.call('HSET', key, 'b:' .. name, base[i], 'v:' .. name, base[i])
+  end
+  redis.call('HSET', key, 'seq', seq)
+  redis.call('EXPIRE', key, ttl)
+end
+";
+
+/// A committed vote's change: `user` now at `to` (row `version`), from
+/// `from`. Refused after `deadline` (Redis time, ms): by then the vote has
+/// given up on the cache and may have published, so the consumer's write
+/// may already hold the change. An absent entry is filled from the durable
+/// head given (or, with none given, the script answers false).
+/// ARGV: n, ttl, deadline, n names, user, version, to, from, seq, n base.
 const APPLY: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local n = tonumber(ARGV[1])
-local out = {}
-for i = 1, n do
-  local v = redis.call('HINCRBY', KEYS[1], ARGV[1 + i], ARGV[1 + n + i])
-  if v < 0 then redis.call('HSET', KEYS[1], ARGV[1 + i], 0); v = 0 end
-  out[i] = v
-end
-return out
-";
-
-/// Fills a missing entry from the durable totals (with a TTL), then applies a
-/// delta (zero on the read path). An existing entry is never overwritten, so
-/// a stale durable read cannot push a visible count backwards.
-/// ARGV: n, the TTL, n field names, n durable totals, n moves.
-const FILL_THEN_APPLY: &str = r"
-local n = tonumber(ARGV[1])
+local t = redis.call('TIME')
+if t[1] * 1000 + math.floor(t[2] / 1000) > tonumber(ARGV[3]) then return -1 end
+local names = {}
+for i = 1, n do names[i] = ARGV[3 + i] end
+local user, version, to, from = ARGV[4 + n], tonumber(ARGV[5 + n]), ARGV[6 + n], ARGV[7 + n]
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  for i = 1, n do redis.call('HSET', KEYS[1], ARGV[2 + i], ARGV[2 + n + i]) end
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  if ARGV[8 + n] == '' then return false end
+  local base = {}
+  for i = 1, n do base[i] = ARGV[8 + n + i] end
+  fill(KEYS[1], names, base, ARGV[8 + n], ARGV[2])
 end
-local out = {}
-for i = 1, n do
-  local v = redis.call('HINCRBY', KEYS[1], ARGV[2 + i], ARGV[2 + 2 * n + i])
-  if v < 0 then redis.call('HSET', KEYS[1], ARGV[2 + i], 0); v = 0 end
-  out[i] = v
+local field = 'p:' .. user
+local cur = redis.call('HGET', KEYS[1], field)
+if cur then
+  local cv, cto, cfrom = parse(cur)
+  if cv >= version then return served(KEYS[1], names) end
+  move(KEYS[1], cto, -1)
+  move(KEYS[1], to, 1)
+  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. cfrom)
+else
+  move(KEYS[1], from, -1)
+  move(KEYS[1], to, 1)
+  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. from)
 end
-return out
+return served(KEYS[1], names)
 ";
 
-/// An entry's fields: one per counted reaction, named after it.
-fn fields() -> impl Iterator<Item = &'static str> {
-    Reaction::COUNTED.iter().map(|r| r.as_str())
+/// A read's miss: fills an absent entry from the durable head. An existing
+/// entry is never overwritten.
+/// ARGV: n, ttl, n names, seq, n base.
+const FILL: &str = r"
+local n = tonumber(ARGV[1])
+local names = {}
+for i = 1, n do names[i] = ARGV[2 + i] end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local base = {}
+  for i = 1, n do base[i] = ARGV[3 + n + i] end
+  fill(KEYS[1], names, base, ARGV[3 + n], ARGV[2])
+end
+return served(KEYS[1], names)
+";
+
+/// A durable write, written through: the base at `seq` (if newer than the
+/// entry's), and the users it counted, each at (version, state).
+/// ARGV: n, ttl, n names, seq, n base, k, then k times user, version, state.
+const WRITE_THROUGH: &str = r"
+local n = tonumber(ARGV[1])
+local names = {}
+for i = 1, n do names[i] = ARGV[2 + i] end
+local seq = tonumber(ARGV[3 + n])
+local cur = redis.call('HGET', KEYS[1], 'seq')
+if cur and tonumber(cur) >= seq then return 0 end
+for i = 1, n do redis.call('HSET', KEYS[1], 'b:' .. names[i], ARGV[3 + n + i]) end
+redis.call('HSET', KEYS[1], 'seq', seq)
+local k = tonumber(ARGV[4 + 2 * n])
+for j = 0, k - 1 do
+  local at = 5 + 2 * n + 3 * j
+  local field = 'p:' .. ARGV[at]
+  local cur = redis.call('HGET', KEYS[1], field)
+  if cur then
+    local pv, pto, pfrom = parse(cur)
+    if pv <= tonumber(ARGV[at + 1]) then
+      redis.call('HDEL', KEYS[1], field)
+    else
+      redis.call('HSET', KEYS[1], field, pv .. '|' .. pto .. '|' .. ARGV[at + 2])
+    end
+  end
+end
+local v = {}
+for i = 1, n do v[names[i]] = tonumber(ARGV[3 + n + i]) end
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 2) == 'p:' then
+    local _, to, from = parse(all[i + 1])
+    if v[to] then v[to] = v[to] + 1 end
+    if v[from] then v[from] = v[from] - 1 end
+  end
+end
+for i = 1, n do redis.call('HSET', KEYS[1], 'v:' .. names[i], v[names[i]]) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+";
+
+/// The names of the counted reactions, in `Totals` order.
+fn names() -> Vec<&'static str> {
+    Reaction::COUNTED.iter().map(|r| r.as_str()).collect()
 }
 
-/// Totals from the values a script or HMGET returned, in field order.
+/// The served fields, in `Totals` order.
+fn served_fields() -> Vec<String> {
+    names().into_iter().map(|n| format!("v:{n}")).collect()
+}
+
+/// Totals from served values in field order; a count below zero (a change
+/// counted before the base caught up with the one before it) is served as 0.
 fn totals_of(values: Vec<i64>) -> Result<Totals, CacheError> {
     let n = values.len();
     <[i64; N_COUNTED]>::try_from(values)
-        .map(Totals::from_values)
+        .map(|v| Totals::from_values(v.map(|x| x.max(0))))
         .map_err(|_| CacheError::Shape(n))
 }
 
-/// The per-target count cache. Entries expire after a TTL that follows the
-/// consumer's lag (see `set_ttl`), and are not refreshed by deltas, so every
-/// entry is rebuilt from the durable totals at least once per TTL.
+/// A change the vote path counts in the cache, ahead of the consumer.
+#[derive(Debug, Clone)]
+pub struct Pending<'a> {
+    pub user: &'a UserId,
+    pub version: i64,
+    pub from: Reaction,
+    pub to: Reaction,
+}
+
+/// What a durable write wrote, to write through to the cache.
+#[derive(Debug, Clone, Copy)]
+pub struct Written<'a> {
+    pub seq: i64,
+    pub totals: Totals,
+    pub users: &'a [(UserId, Applied)],
+}
+
+/// The per-target count cache. Entries converge by construction: the
+/// vote path adds pending changes, and every durable write replaces the base
+/// (see the entry layout above). The TTL follows the consumer's lag (see
+/// `TtlPolicy`), so an idle entry is not refilled from totals that are behind.
 #[derive(Clone)]
 pub struct Cache {
     pool: Pool,
     prefix: Arc<str>,
     apply: Arc<Script>,
-    fill_then_apply: Arc<Script>,
+    fill: Arc<Script>,
+    write_through: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
 }
 
+/// How much earlier than its own deadline a vote's change is refused by
+/// Redis: a margin for the clocks of the API and Redis to disagree.
+const CLOCK_MARGIN: Duration = Duration::from_millis(100);
+
 impl Cache {
     pub fn new(config: &RedisConfig, ttl: Duration) -> anyhow::Result<Cache> {
+        let script = |body: &str| Arc::new(Script::new(&format!("{LIB}\n{body}")));
         Ok(Cache {
             pool: pool(config)?,
             prefix: config.prefix.as_str().into(),
-            apply: Arc::new(Script::new(APPLY)),
-            fill_then_apply: Arc::new(Script::new(FILL_THEN_APPLY)),
+            apply: script(APPLY),
+            fill: script(FILL),
+            write_through: script(WRITE_THROUGH),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
             timeout: config.timeout,
         })
     }
 
     fn key(&self, target: &TargetId) -> String {
-        // `c` for counts; entries of an earlier layout (`t`, fixed fields)
-        // are never read and expire.
-        format!("{}:c:{}", self.prefix, target.as_str())
+        // `e` for entry; entries of earlier layouts are never read and expire.
+        format!("{}:e:{}", self.prefix, target.as_str())
     }
 
     pub fn ttl(&self) -> Duration {
@@ -159,13 +285,12 @@ impl Cache {
             .map_err(|_| CacheError::Timeout(self.timeout))?
     }
 
-    /// Cached totals for many targets in one round trip; `None` is a miss.
+    /// Served totals for many targets in one round trip; `None` is a miss.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
         let mut pipe = redis::pipe();
+        let fields = served_fields();
         for t in targets {
-            pipe.cmd("HMGET")
-                .arg(self.key(t))
-                .arg(fields().collect::<Vec<_>>());
+            pipe.cmd("HMGET").arg(self.key(t)).arg(&fields);
         }
         let rows: Vec<Vec<Option<i64>>> = self
             .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
@@ -178,40 +303,87 @@ impl Cache {
             .collect()
     }
 
-    /// Applies a delta to an existing entry; returns the new totals, or
-    /// `None` when there is no entry.
-    pub async fn apply(
+    /// Fills an absent entry from the durable head (`seq`, `totals`) and
+    /// returns what it serves; an existing entry is left as it is.
+    pub async fn fill(
         &self,
         target: &TargetId,
-        delta: Delta,
-    ) -> Result<Option<Totals>, CacheError> {
-        let mut call = self.apply.key(self.key(target));
-        call.arg(N_COUNTED)
-            .arg(fields().collect::<Vec<_>>())
-            .arg(&delta.values()[..]);
-        let r: Option<Vec<i64>> = self
-            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
-            .await?;
-        r.map(totals_of).transpose()
-    }
-
-    /// Fills a missing entry from `durable`, then applies `delta`.
-    pub async fn fill_then_apply(
-        &self,
-        target: &TargetId,
-        durable: Totals,
-        delta: Delta,
+        seq: i64,
+        totals: Totals,
     ) -> Result<Totals, CacheError> {
-        let mut call = self.fill_then_apply.key(self.key(target));
+        let mut call = self.fill.key(self.key(target));
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
-            .arg(fields().collect::<Vec<_>>())
-            .arg(&durable.values()[..])
-            .arg(&delta.values()[..]);
+            .arg(names())
+            .arg(seq)
+            .arg(&totals.values()[..]);
         let values: Vec<i64> = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
         totals_of(values)
+    }
+
+    /// Counts a committed change ahead of the consumer. With `durable` (the
+    /// head: seq and totals) an absent entry is filled first; without, an
+    /// absent entry is left absent and the answer is `Ok(false)`.
+    pub async fn apply(
+        &self,
+        target: &TargetId,
+        change: &Pending<'_>,
+        durable: Option<(i64, Totals)>,
+    ) -> Result<bool, CacheError> {
+        let deadline = SystemTime::now() + self.timeout.saturating_sub(CLOCK_MARGIN);
+        let deadline_ms = deadline
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let mut call = self.apply.key(self.key(target));
+        call.arg(N_COUNTED)
+            .arg(self.ttl().as_secs())
+            .arg(u64::try_from(deadline_ms).unwrap_or(u64::MAX))
+            .arg(names())
+            .arg(change.user.as_str())
+            .arg(change.version)
+            .arg(change.to.as_str())
+            .arg(change.from.as_str());
+        match durable {
+            Some((seq, totals)) => call.arg(seq).arg(&totals.values()[..]),
+            None => call.arg(""),
+        };
+        let answer: redis::Value = self
+            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
+            .await?;
+        match answer {
+            // Too late: Redis ran it after the vote gave up waiting.
+            redis::Value::Int(-1) => Err(CacheError::Timeout(self.timeout)),
+            redis::Value::Nil => Ok(false),
+            _ => Ok(true),
+        }
+    }
+
+    /// Writes a durable write through: the entry's base becomes exact as of
+    /// `written.seq` (unless it already holds a newer one), and the pending
+    /// changes it now includes go. Absent entries are created.
+    pub async fn write_through(
+        &self,
+        target: &TargetId,
+        written: &Written<'_>,
+    ) -> Result<(), CacheError> {
+        let mut call = self.write_through.key(self.key(target));
+        call.arg(N_COUNTED)
+            .arg(self.ttl().as_secs())
+            .arg(names())
+            .arg(written.seq)
+            .arg(&written.totals.values()[..])
+            .arg(written.users.len());
+        for (user, applied) in written.users {
+            call.arg(user.as_str())
+                .arg(applied.version)
+                .arg(applied.state.as_str());
+        }
+        let _: i64 = self
+            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
+            .await?;
+        Ok(())
     }
 
     /// Drops a target's entry, so the next read refills it from the durable totals.

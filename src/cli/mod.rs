@@ -32,7 +32,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve the HTTP vote API (POST /v1/votes, GET /v1/votes/summary).
-    Vote(ApiConfig),
+    Vote(Box<ApiConfig>),
     /// Count published transitions exactly once into per-target totals.
     Consumer(ConsumerConfig),
     /// Recount totals from the per-user rows and repair drift.
@@ -67,7 +67,7 @@ pub struct MigrateArgs {
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Migrate(args) => migrate(args).await,
-        Command::Vote(config) => vote(config).await,
+        Command::Vote(config) => vote(*config).await,
         Command::Token(args) => {
             println!(
                 "{}",

@@ -155,6 +155,8 @@ fn json_report(summary: &SweepSummary, dry_run: bool) -> serde_json::Value {
     serde_json::json!({
         "targets_checked": summary.targets_checked,
         "targets_drifted": summary.targets_drifted,
+        "targets_skipped": summary.targets_skipped,
+        "skipped": summary.skipped,
         "dry_run": dry_run,
         "complete": summary.complete,
         "resumed_from_token": summary.resumed_from,
@@ -175,6 +177,9 @@ fn text_report(summary: &SweepSummary) -> String {
             "{}: {} -> {}, {} user(s) behind, {done}\n",
             r.target_id, r.totals_before, r.totals_after, r.users_behind
         );
+    }
+    for id in &summary.skipped {
+        out += &format!("{id}: skipped, the consumer kept writing it; the next sweep retries it\n");
     }
     let interrupted = if summary.complete {
         ""

@@ -99,7 +99,8 @@ pub async fn run(
     let source = Source::join(&config.stores.kafka, &config.group)?;
     let dead_letters = DeadLetters::new(&config.stores.kafka)?;
     let cache = Cache::new(&config.stores.redis, Duration::from_secs(60))?;
-    let readiness = crate::ops::Readiness::new(store.clone(), &config.stores.kafka, cache.clone())?;
+    let readiness =
+        crate::ops::Readiness::for_consumer(store.clone(), &config.stores.kafka, cache.clone())?;
     let (port, ops_server) =
         crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
     progress.ops_port.store(u64::from(port), Ordering::Relaxed);
@@ -113,6 +114,7 @@ pub async fn run(
         config: &config,
         stats: &store.stats,
         dead_letters: &dead_letters,
+        cache: &cache,
         progress: &progress,
     };
     let result = loop {
@@ -163,6 +165,7 @@ struct Worker<'a> {
     config: &'a ConsumerConfig,
     stats: &'a Stats,
     dead_letters: &'a DeadLetters,
+    cache: &'a Cache,
     progress: &'a Progress,
 }
 
@@ -217,6 +220,7 @@ impl Worker<'_> {
                 };
                 match fence::write(
                     self.stats,
+                    Some(self.cache),
                     target,
                     Scope::Users(&users),
                     None,

@@ -5,7 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::ids::UserId;
-use super::reaction::{Applied, Outcome, Reaction, Totals, apply};
+use super::reaction::{Applied, Delta, Outcome, Reaction, Totals, apply};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
@@ -40,6 +40,35 @@ impl Ledger {
     /// recount does. A row carries no `from`, so a recount finds no gaps.
     pub fn apply_row(&mut self, user: &UserId, version: i64, state: Reaction) {
         self.apply_from(user, version, None, state);
+    }
+
+    /// Makes the applied row of `user` say what their row in `reactions`
+    /// says: a recount's repair. A newer row is applied like any other; an
+    /// applied row at the same version with another state, or ahead of the
+    /// row (a version that never happened), is corrected to the row.
+    pub fn correct_row(&mut self, user: &UserId, version: i64, state: Reaction) {
+        let current = self.applied.get(user).copied().unwrap_or(Applied::NEVER);
+        if current.version < version {
+            self.apply_row(user, version, state);
+        } else if current != (Applied { version, state }) {
+            self.set(user, current, Applied { version, state });
+        }
+    }
+
+    /// Forgets a user counted here who has no row in `reactions`: as if they
+    /// had never been counted.
+    pub fn forget(&mut self, user: &UserId) {
+        if let Some(current) = self.applied.get(user).copied() {
+            if current != Applied::NEVER {
+                self.set(user, current, Applied::NEVER);
+            }
+        }
+    }
+
+    fn set(&mut self, user: &UserId, current: Applied, next: Applied) {
+        self.totals = self.totals.apply(Delta::between(current.state, next.state));
+        self.applied.insert(user.clone(), next);
+        self.changed.insert(user.clone());
     }
 
     /// Moves the totals from the state counted for `user`; `None` for a
@@ -133,6 +162,65 @@ mod tests {
         assert_eq!(l.totals, Totals::count([Reaction::Dislike]));
         assert_eq!(l.gaps, 1);
         assert_eq!(l.replays, 1);
+    }
+
+    #[test]
+    fn a_recount_corrects_a_wrong_state_a_future_version_and_a_ghost() {
+        let applied = HashMap::from([
+            (
+                user(1),
+                Applied {
+                    version: 3,
+                    state: Reaction::Like,
+                },
+            ),
+            (
+                user(2),
+                Applied {
+                    version: 1 << 62,
+                    state: Reaction::Like,
+                },
+            ),
+            (
+                user(3),
+                Applied {
+                    version: 2,
+                    state: Reaction::Dislike,
+                },
+            ),
+        ]);
+        let mut l = Ledger::new(
+            Totals::count([Reaction::Like, Reaction::Like, Reaction::Dislike]),
+            applied,
+        );
+        l.correct_row(&user(1), 3, Reaction::Dislike);
+        l.correct_row(&user(2), 4, Reaction::None);
+        l.forget(&user(3));
+        l.forget(&user(9));
+        assert_eq!(l.totals, Totals::count([Reaction::Dislike]));
+        assert_eq!(l.recount(), l.totals);
+        assert_eq!(
+            l.applied[&user(2)],
+            Applied {
+                version: 4,
+                state: Reaction::None
+            }
+        );
+        assert_eq!(l.applied[&user(3)], Applied::NEVER);
+        assert_eq!(l.changed.len(), 3);
+        // A row the ledger already agrees with changes nothing.
+        let mut same = Ledger::new(
+            Totals::count([Reaction::Like]),
+            HashMap::from([(
+                user(1),
+                Applied {
+                    version: 2,
+                    state: Reaction::Like,
+                },
+            )]),
+        );
+        same.correct_row(&user(1), 2, Reaction::Like);
+        assert!(same.changed.is_empty());
     }
 
     proptest! {

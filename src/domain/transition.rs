@@ -101,7 +101,7 @@ mod tests {
                 "target_id",
             ),
             (
-                r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"love","version":1,"occurred_at":"x"}"#,
+                r#"{"target_id":"v","target_type":"video","user_id":"u","from":"none","to":"meh","version":1,"occurred_at":"x"}"#,
                 "unknown variant",
             ),
         ];

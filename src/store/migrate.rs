@@ -29,6 +29,10 @@ pub const MIGRATIONS: &[Migration] = &[
         id: "0003_reconcile",
         cql: include_str!("../../migrations/0003_reconcile.cql"),
     },
+    Migration {
+        id: "0004_outbox",
+        cql: include_str!("../../migrations/0004_outbox.cql"),
+    },
     #[cfg(feature = "third-reaction")]
     Migration {
         id: "9001_love",

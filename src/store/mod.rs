@@ -3,6 +3,7 @@
 //! LOCAL_QUORUM for reads and writes, LOCAL_SERIAL for conditions.
 
 pub mod migrate;
+pub mod outbox;
 pub mod reactions;
 pub mod stats;
 pub mod targets;
@@ -261,6 +262,7 @@ pub struct Store {
     pub reactions: reactions::Reactions,
     pub stats: stats::Stats,
     pub targets: targets::Targets,
+    pub outbox: outbox::Outbox,
     session: Arc<Session>,
     ping: scylla::statement::prepared::PreparedStatement,
 }
@@ -275,6 +277,7 @@ impl Store {
             reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
             stats: stats::Stats::prepare(session.clone()).await?,
             targets: targets::Targets::prepare(session.clone()).await?,
+            outbox: outbox::Outbox::prepare(session.clone(), ttl).await?,
             ping: session
                 .prepare("SELECT release_version FROM system.local")
                 .await

@@ -38,6 +38,12 @@ pub struct KeyRecord {
     pub owner: Uuid,
     pub status: u16,
     pub body: String,
+    /// The transition the request committed, as published (JSON); `None`
+    /// when it changed nothing. This is the outbox: it is durable exactly
+    /// when the change is.
+    pub transition: Option<String>,
+    /// The time bucket of the vote's outbox intent, when it wrote one.
+    pub intent_bucket: Option<i64>,
 }
 
 /// The rows a vote needs, read together from the user's partition.
@@ -63,6 +69,7 @@ pub struct Reactions {
     session: Arc<Session>,
     snapshot: PreparedStatement,
     snapshot_serial: PreparedStatement,
+    record_serial: PreparedStatement,
     states: PreparedStatement,
     by_target: PreparedStatement,
     first_change: Batch,
@@ -73,8 +80,9 @@ pub struct Reactions {
 
 impl Reactions {
     pub async fn prepare(session: Arc<Session>, key_ttl_secs: i32) -> anyhow::Result<Reactions> {
-        const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, response_status, response_body \
-             FROM reactions WHERE user_id = ? AND target_id IN (?, ?)";
+        const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, \
+             response_status, response_body, transition, intent_bucket FROM reactions \
+             WHERE user_id = ? AND target_id IN (?, ?)";
         let snapshot = session
             .prepare(SNAPSHOT)
             .await
@@ -86,6 +94,14 @@ impl Reactions {
             .await
             .context("prepare serial snapshot")?;
         snapshot_serial.set_consistency(Consistency::LocalSerial);
+        let mut record_serial = session
+            .prepare(
+                "SELECT request_hash, request_owner, response_status, response_body, transition, \
+                 intent_bucket FROM reactions WHERE user_id = ? AND target_id = ?",
+            )
+            .await
+            .context("prepare serial record")?;
+        record_serial.set_consistency(Consistency::LocalSerial);
 
         let states = session
             .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
@@ -114,8 +130,9 @@ impl Reactions {
             .context("prepare next reaction")?;
         let record_only = session
             .prepare(
-                "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, response_status, response_body) \
-                 VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+                "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, \
+                 response_status, response_body, transition, intent_bucket) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
             )
             .await
             .context("prepare idempotency record")?;
@@ -136,6 +153,7 @@ impl Reactions {
             session,
             snapshot,
             snapshot_serial,
+            record_serial,
             states,
             by_target,
             record_only,
@@ -166,6 +184,8 @@ impl Reactions {
             Option<Uuid>,
             Option<i32>,
             Option<String>,
+            Option<String>,
+            Option<i64>,
         );
         let rows: Vec<Row> = super::all_rows(
             &self.session,
@@ -174,24 +194,9 @@ impl Reactions {
         )
         .await?;
         let mut snap = Snapshot::default();
-        for (clustering, state, version, hash, owner, status, body) in rows {
+        for (clustering, state, version, hash, owner, status, body, transition, bucket) in rows {
             if clustering == key_row {
-                if let (Some(request_hash), Some(owner), Some(status), Some(body)) =
-                    (hash, owner, status, body)
-                {
-                    let status = u16::try_from(status)
-                        .ok()
-                        .filter(|s| (100..600).contains(s))
-                        .ok_or_else(|| {
-                            StoreError::Corrupt(format!("idempotency record status {status}"))
-                        })?;
-                    snap.record = Some(KeyRecord {
-                        request_hash,
-                        owner,
-                        status,
-                        body,
-                    });
-                }
+                snap.record = key_record((hash, owner, status, body, transition, bucket))?;
             } else if let (Some(state), Some(version)) = (state, version) {
                 let state =
                     state
@@ -203,6 +208,27 @@ impl Reactions {
             }
         }
         Ok(snap)
+    }
+
+    /// The key's record, read at LOCAL_SERIAL: any Paxos round still in
+    /// flight on the user's partition is completed first, so the answer is
+    /// final. `None` means no request with this key ever committed.
+    pub async fn record_serial(
+        &self,
+        user: &UserId,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let key_row = key_row(key);
+        let row: Option<RecordRow> = super::first_row(
+            &self.session,
+            &self.record_serial,
+            (user.as_str(), key_row.as_str()),
+        )
+        .await?;
+        match row {
+            Some(row) => key_record(row),
+            None => Ok(None),
+        }
     }
 
     /// Writes the change and its key record in one conditional batch.
@@ -218,6 +244,8 @@ impl Reactions {
             r.owner,
             i32::from(r.status),
             r.body.as_str(),
+            r.transition.as_deref(),
+            r.intent_bucket,
             self.key_ttl_secs,
         );
         let result = match change.expected {
@@ -260,6 +288,8 @@ impl Reactions {
             record.owner,
             i32::from(record.status),
             record.body.as_str(),
+            record.transition.as_deref(),
+            record.intent_bucket,
             self.key_ttl_secs,
         );
         classify(
@@ -309,6 +339,38 @@ impl Reactions {
         }
         Ok(out)
     }
+}
+
+/// The columns of an idempotency record.
+type RecordRow = (
+    Option<String>,
+    Option<Uuid>,
+    Option<i32>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+);
+
+/// A record from its columns; `None` for a row that is not a whole record.
+fn key_record(
+    (hash, owner, status, body, transition, intent_bucket): RecordRow,
+) -> Result<Option<KeyRecord>, StoreError> {
+    let (Some(request_hash), Some(owner), Some(status), Some(body)) = (hash, owner, status, body)
+    else {
+        return Ok(None);
+    };
+    let status = u16::try_from(status)
+        .ok()
+        .filter(|s| (100..600).contains(s))
+        .ok_or_else(|| StoreError::Corrupt(format!("idempotency record status {status}")))?;
+    Ok(Some(KeyRecord {
+        request_hash,
+        owner,
+        status,
+        body,
+        transition,
+        intent_bucket,
+    }))
 }
 
 fn now_millis() -> i64 {

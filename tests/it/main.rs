@@ -4,9 +4,11 @@
 mod consumer;
 mod fuzz;
 mod ops;
+mod outbox;
 mod reactions;
 mod reconcile;
 mod rejections;
+mod served;
 mod smoke;
 mod support;
 mod votes;

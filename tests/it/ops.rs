@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use crate::support::{Rng, TestEnv, TestResult, eventually, new_key};
+use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, new_key};
 
 /// Sums the samples of `name` whose labels contain every `labels` fragment.
 fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
@@ -130,43 +130,6 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
     .await;
     consumer.stop().await;
     Ok(())
-}
-
-/// A real redis-server of this test's own, so stopping it disturbs no other test.
-struct PrivateRedis {
-    port: u16,
-    child: std::process::Child,
-}
-
-impl PrivateRedis {
-    fn start(port: u16) -> PrivateRedis {
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("redis-server: {e}"));
-        PrivateRedis { port, child }
-    }
-
-    fn stop(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-    }
 }
 
 #[tokio::test]

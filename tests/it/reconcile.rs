@@ -351,3 +351,61 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() -> TestRe
     assert_eq!(admin.json()["repaired"], true);
     Ok(())
 }
+
+#[tokio::test]
+async fn reconcile_repairs_a_ghost_applied_row_and_a_wrong_state_at_the_right_version() -> TestResult
+{
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    for (user, action) in [("ann", "like"), ("ben", "like"), ("cid", "dislike")] {
+        app.vote(user, crate::support::new_key(), "video_g", action)
+            .await;
+    }
+    let consumer = env.start_consumer();
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    consumer.stop().await;
+    let truth = env.recount().await;
+
+    // A ghost: a user counted who has no row in `reactions` (an injected
+    // event, say), and ben counted at his version but with the wrong state.
+    env.cql(
+        "UPDATE target_stats SET applied_version = 3, applied_state = 'dislike' \
+         WHERE target_id = 'video_g' AND user_id = 'ghost'",
+    )
+    .await;
+    env.cql(
+        "UPDATE target_stats SET applied_state = 'dislike' \
+         WHERE target_id = 'video_g' AND user_id = 'ben'",
+    )
+    .await;
+    env.cql("UPDATE target_stats SET likes = 1, dislikes = 3 WHERE target_id = 'video_g'")
+        .await;
+    assert_ne!(env.stats().await, truth);
+
+    let report = env
+        .reconciler()
+        .await
+        .target(&target("video_g"), false)
+        .await?;
+    assert!(report.drifted && report.repaired, "{report:?}");
+    assert_eq!(report.users_behind, 2, "the ghost and ben: {report:?}");
+    assert_eq!(env.stats().await, truth);
+    // Served too: the repair was written through to the cache.
+    let served = app.summary("ann", "video_g").await.json();
+    assert_eq!(
+        served["items"]["video_g"]["likes"],
+        truth["video_g"].likes()
+    );
+    assert_eq!(
+        served["items"]["video_g"]["dislikes"],
+        truth["video_g"].dislikes()
+    );
+    // A second pass finds nothing.
+    let again = env
+        .reconciler()
+        .await
+        .target(&target("video_g"), false)
+        .await?;
+    assert!(!again.drifted, "{again:?}");
+    Ok(())
+}

@@ -18,10 +18,20 @@ impl TestEnv {
             workers: 2,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             publish_timeout: Duration::from_secs(5),
+            // A healthy Kafka acknowledges well within this, so a test that
+            // counts the topic right after an answer sees its transition.
+            publish_wait: Duration::from_secs(5),
             user_rate: 20.0,
             user_burst: 60,
             max_in_flight: 1024,
             consumer_group: self.group.clone(),
+            // Tests that need the relay turn it on (`with_relay`).
+            relay: tally::relay::RelayConfig {
+                settle: Duration::from_secs(2),
+                interval: Duration::from_millis(500),
+                horizon: Duration::from_secs(60),
+                disabled: true,
+            },
             auth: tally::auth::AuthConfig::hs256(JWT_SECRET),
             cache_ttl: tally::cache::TtlPolicy {
                 min: Duration::from_secs(60),
@@ -32,7 +42,11 @@ impl TestEnv {
     }
 
     pub async fn spawn_app(&self) -> TestApp {
-        let app = tally::api::Application::build(self.api_config())
+        self.spawn_app_with(self.api_config()).await
+    }
+
+    pub async fn spawn_app_with(&self, config: tally::api::ApiConfig) -> TestApp {
+        let app = tally::api::Application::build(config)
             .await
             .unwrap_or_else(|e| panic!("app: {e:#}"));
         let address = format!("http://127.0.0.1:{}", app.port());

@@ -17,6 +17,7 @@ mod app;
 mod env;
 mod pipeline;
 pub mod rng;
+mod servers;
 mod truth;
 
 use std::time::Duration;
@@ -25,6 +26,7 @@ pub use app::{Reply, TestApp, new_key, token};
 pub use env::{TEST_PARTITIONS, TestEnv};
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
+pub use servers::{PrivateRedis, free_port};
 pub use truth::{Tallies, Tally};
 
 pub const JWT_SECRET: &str = "integration-test-secret";

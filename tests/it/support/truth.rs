@@ -62,8 +62,11 @@ impl TestEnv {
             let Some(target) = text(0) else { continue };
             let e = out.entry(target).or_default();
             e.totals = Totals::from_values(std::array::from_fn(|i| bigint(4 + i).unwrap_or(0)));
+            // Version 0 is "never counted": the same as no applied row.
             if let (Some(u), Some(v), Some(s)) = (text(1), bigint(2), text(3)) {
-                e.users.insert(u, (v, s));
+                if v > 0 {
+                    e.users.insert(u, (v, s));
+                }
             }
         }
         out

@@ -1,0 +1,245 @@
+//! Durable publication: every committed vote reaches the totals with no
+//! reconcile, whatever kept its transition from Kafka when it was cast: an
+//! unreachable Kafka, a process killed with -9, a client that hung up, a
+//! Redis that stopped answering. Each test ends with `target_stats` equal to
+//! the recount of `reactions` and with the served totals equal to it too.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use tally::domain::Totals;
+
+use crate::support::{PrivateRedis, TestApp, TestEnv, TestResult, eventually, free_port, new_key};
+
+/// An API instance whose Kafka is unreachable: it can commit votes but not
+/// publish them, and runs no relay.
+fn kafka_unreachable(env: &TestEnv) -> tally::api::ApiConfig {
+    let mut config = env.api_config();
+    config.stores.kafka.brokers = format!("127.0.0.1:{}", free_port());
+    config.publish_timeout = Duration::from_millis(500);
+    config
+}
+
+/// An API instance with a working Kafka that runs the relay.
+fn relaying(env: &TestEnv) -> tally::api::ApiConfig {
+    let mut config = env.api_config();
+    config.relay.disabled = false;
+    config
+}
+
+/// Runs a consumer until `target_stats` equals the recount, then checks the
+/// served totals of `targets` against the recount as well.
+async fn counted_and_served(env: &TestEnv, app: &TestApp, targets: &[&str]) -> TestResult {
+    counted_and_served_with(env, env.consumer_config(), app, targets).await
+}
+
+/// The same, with a consumer of its own settings (an app's private Redis).
+async fn counted_and_served_with(
+    env: &TestEnv,
+    consumer: tally::consumer::ConsumerConfig,
+    app: &TestApp,
+    targets: &[&str],
+) -> TestResult {
+    let consumer = env.start_consumer_with(consumer);
+    env.wait_until_no_drift(Duration::from_secs(90)).await;
+    consumer.stop().await;
+    let truth = env.recount().await;
+    let summary = app.summary("checker", &targets.join(",")).await.json();
+    for t in targets {
+        let served: Totals = serde_json::from_value(summary["items"][*t].clone())?;
+        let expected = truth.get(*t).map(|tally| tally.totals).unwrap_or_default();
+        assert_eq!(served, expected, "{t}: served {served}, truth {expected}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn votes_commit_while_kafka_is_unreachable_and_the_relay_publishes_them() -> TestResult {
+    let env = TestEnv::new().await;
+    let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
+
+    let ready = cut_off
+        .client
+        .get(format!("{}/readyz", cut_off.address))
+        .send()
+        .await?;
+    assert_eq!(
+        ready.status().as_u16(),
+        200,
+        "Kafka is not needed to take a vote"
+    );
+    let body: serde_json::Value = ready.json().await?;
+    assert_eq!(body["degraded"], serde_json::json!(["kafka"]), "{body}");
+
+    for i in 0..20 {
+        let action = ["like", "dislike", "none", "like"][i % 4];
+        let reply = cut_off
+            .vote(
+                &format!("u{}", i % 7),
+                new_key(),
+                &format!("t{}", i % 3),
+                action,
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_eq!(env.published(), 0, "nothing reached Kafka yet");
+    assert!(!env.recount().await.is_empty(), "the votes committed");
+
+    // Kafka answers again, for an instance that runs the relay.
+    let relay = env.spawn_app_with(relaying(&env)).await;
+    counted_and_served(&env, &relay, &["t0", "t1", "t2"]).await
+}
+
+#[tokio::test]
+async fn votes_of_a_process_killed_with_9_are_published_by_another_instances_relay() -> TestResult {
+    let env = TestEnv::new().await;
+    // A real `tally vote` process that cannot publish, so every vote it
+    // answers is committed and unpublished when it dies.
+    let port = free_port();
+    let mut child = env
+        .tally()
+        .arg("vote")
+        .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+        .env("TALLY_JWT_SECRET", crate::support::JWT_SECRET)
+        .env("TALLY_KAFKA_BROKERS", format!("127.0.0.1:{}", free_port()))
+        .env("TALLY_PUBLISH_TIMEOUT", "500ms")
+        .env("TALLY_NO_RELAY", "true")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let doomed = TestApp {
+        address: format!("http://127.0.0.1:{port}"),
+        client: reqwest::Client::new(),
+    };
+    eventually(
+        "the doomed instance to listen",
+        Duration::from_secs(60),
+        || async {
+            doomed
+                .client
+                .get(format!("{}/healthz", doomed.address))
+                .send()
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+    let mut answered = 0;
+    for i in 0..15 {
+        let reply = doomed
+            .vote(&format!("k{i}"), new_key(), &format!("v{}", i % 2), "like")
+            .await;
+        answered += usize::from(reply.status == 200);
+    }
+    assert_eq!(answered, 15);
+    child.kill()?;
+    child.wait()?;
+    assert_eq!(env.published(), 0);
+
+    let relay = env.spawn_app_with(relaying(&env)).await;
+    counted_and_served(&env, &relay, &["v0", "v1"]).await
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_after_its_vote_committed_still_has_it_counted() -> TestResult {
+    let env = TestEnv::new().await;
+    // A frozen Redis holds each vote in its cache step, after the commit and
+    // before the answer, for the whole Redis deadline: that is when the
+    // client hangs up. No relay runs: the vote's own task must publish.
+    let redis = PrivateRedis::start(free_port());
+    let mut config = env.api_config();
+    config.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
+    config.stores.redis.timeout = Duration::from_secs(3);
+    let app = env.spawn_app_with(config).await;
+    let address = app.address.trim_start_matches("http://").to_owned();
+    let body = r#"{"target_id":"hangup","target_type":"video","action":"like"}"#;
+    redis.freeze();
+    for user in ["h1", "h2", "h3"] {
+        let request = format!(
+            "POST /v1/votes HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {}\r\n\
+             Idempotency-Key: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            crate::support::token(user),
+            new_key(),
+            body.len()
+        );
+        let mut stream = std::net::TcpStream::connect(&address)?;
+        stream.write_all(request.as_bytes())?;
+        eventually("the vote to commit", Duration::from_secs(30), || async {
+            env.reaction(user, "hangup").await.map(|_| ())
+        })
+        .await;
+        // Committed, not yet answered: hang up.
+        stream.shutdown(std::net::Shutdown::Both)?;
+        drop(stream);
+    }
+    redis.thaw();
+    let mut consumer = env.consumer_config();
+    consumer.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
+    counted_and_served_with(&env, consumer, &app, &["hangup"]).await
+}
+
+#[tokio::test]
+async fn a_frozen_redis_slows_a_vote_by_its_deadline_and_loses_nothing() -> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let mut config = env.api_config();
+    config.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
+    config.stores.redis.timeout = Duration::from_millis(300);
+    let app = env.spawn_app_with(config).await;
+    eventually(
+        "the app to answer with Redis up",
+        Duration::from_secs(30),
+        || async {
+            let r = app.vote("warm", new_key(), "frozen", "like").await;
+            (r.status == 200).then_some(())
+        },
+    )
+    .await;
+
+    redis.freeze();
+    let started = Instant::now();
+    for user in ["f1", "f2", "f3", "f4"] {
+        let reply = app.vote(user, new_key(), "frozen", "dislike").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let took = started.elapsed();
+    redis.thaw();
+    // Four votes, each waiting at most a few Redis deadlines (300 ms), not
+    // forever: a loose bound, to tell a deadline from a hang.
+    assert!(
+        took < Duration::from_secs(20),
+        "four votes took {took:?} with Redis frozen"
+    );
+    let mut consumer = env.consumer_config();
+    consumer.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
+    counted_and_served_with(&env, consumer, &app, &["frozen"]).await
+}
+
+#[tokio::test]
+async fn a_replay_of_a_vote_that_never_reached_kafka_publishes_it() -> TestResult {
+    let env = TestEnv::new().await;
+    let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
+    let key = new_key();
+    let first = cut_off.vote("rosa", &key, "replayed", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(env.published(), 0);
+
+    // The client retries on an instance that can publish; no relay runs.
+    let app = env.spawn_app().await;
+    let retry = app.vote("rosa", &key, "replayed", "like").await;
+    assert_eq!(retry.body, first.body);
+    assert_eq!(
+        retry
+            .headers
+            .get("Idempotent-Replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    eventually("the replay to publish", Duration::from_secs(30), || async {
+        (env.published() == 1).then_some(())
+    })
+    .await;
+    counted_and_served(&env, &app, &["replayed"]).await
+}

@@ -1,0 +1,208 @@
+//! What readers are served: under continuous load, longer than several cache
+//! TTLs, the served totals stay within the votes in flight of the truth,
+//! every voter reads their own vote, and once the load stops the served
+//! totals equal the recount of `reactions` within seconds: no flush, no
+//! waiting for entries to expire.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tally::domain::{Reaction, Totals};
+
+use crate::support::{Rng, TestEnv, TestResult, eventually, new_key};
+
+const TARGETS: [&str; 4] = ["hot0", "hot1", "hot2", "hot3"];
+
+/// One answered vote: when it was in flight, on which target.
+struct Flight {
+    target: usize,
+    started: Instant,
+    ended: Instant,
+}
+
+/// One poll of the served totals of every target.
+struct Poll {
+    at: Instant,
+    totals: Vec<Totals>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_totals_converge_under_continuous_load_longer_than_three_ttls() -> TestResult {
+    let env = TestEnv::new().await;
+    let ttl = Duration::from_secs(2);
+    let mut config = env.api_config();
+    config.cache_ttl = tally::cache::TtlPolicy { min: ttl, max: ttl };
+    let app = Arc::new(env.spawn_app_with(config).await);
+    let consumer = env.start_consumer();
+    let run_for = ttl * 4;
+    let deadline = Instant::now() + run_for;
+    let flights = Arc::new(Mutex::new(Vec::<Flight>::new()));
+    let ryw_violations = Arc::new(Mutex::new(Vec::<String>::new()));
+
+    let mut writers = Vec::new();
+    for w in 0..10u64 {
+        let (app, flights, ryw) = (app.clone(), flights.clone(), ryw_violations.clone());
+        writers.push(tokio::spawn(async move {
+            let mut rng = Rng(100 + w);
+            while Instant::now() < deadline {
+                // Two writers share each user: conflicting tabs.
+                let user = format!("u{}", (w / 2) * 3 + rng.below(3));
+                let t = rng.below(TARGETS.len() as u64) as usize;
+                let action = ["like", "dislike", "none"][rng.below(3) as usize];
+                let started = Instant::now();
+                // One in four is a double click: the same action twice at once.
+                let replies = if rng.below(4) == 0 {
+                    let (a, b) = tokio::join!(
+                        app.vote(&user, new_key(), TARGETS[t], action),
+                        app.vote(&user, new_key(), TARGETS[t], action)
+                    );
+                    vec![a, b]
+                } else {
+                    vec![app.vote(&user, new_key(), TARGETS[t], action).await]
+                };
+                let ended = Instant::now();
+                if let Ok(mut f) = flights.lock() {
+                    f.push(Flight {
+                        target: t,
+                        started,
+                        ended,
+                    });
+                }
+                let Some(ok) = replies.iter().find(|r| r.status == 200) else {
+                    continue;
+                };
+                // Read-your-writes: the voter's own summary counts the vote.
+                let state = ok.json()["user_state"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                let summary = app.summary(&user, TARGETS[t]).await.json();
+                let item = &summary["items"][TARGETS[t]];
+                let seen = item["user_state"].as_str().unwrap_or_default();
+                let counted = match state.parse::<Reaction>() {
+                    Ok(r @ (Reaction::Like | Reaction::Dislike)) => r
+                        .total_name()
+                        .and_then(|n| item[n].as_i64())
+                        .is_some_and(|n| n >= 1),
+                    _ => true,
+                };
+                // A concurrent tab of the same user may have moved it on since.
+                let moved_on = seen != state;
+                if !counted && !moved_on {
+                    if let Ok(mut v) = ryw.lock() {
+                        v.push(format!(
+                            "{user} on {}: voted {state}, read {item}",
+                            TARGETS[t]
+                        ));
+                    }
+                }
+            }
+        }));
+    }
+
+    // A reader polls every target's served totals throughout.
+    let reader = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let mut polls = Vec::new();
+            while Instant::now() < deadline {
+                let reply = app.summary("reader", &TARGETS.join(",")).await;
+                let at = Instant::now();
+                if reply.status == 200 {
+                    let body = reply.json();
+                    let totals = TARGETS
+                        .iter()
+                        .map(|t| {
+                            serde_json::from_value(body["items"][*t].clone()).unwrap_or_default()
+                        })
+                        .collect();
+                    polls.push(Poll { at, totals });
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            polls
+        })
+    };
+    for w in writers {
+        w.await?;
+    }
+    let polls = reader.await?;
+    let load_ended = Instant::now();
+
+    // The durable totals catch up with the consumer...
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    consumer.stop().await;
+    let drained = Instant::now();
+    // ...and the served ones equal the recount within 5 s of that.
+    let truth = env.recount().await;
+    let converged = eventually(
+        "served totals to equal the recount",
+        Duration::from_secs(5),
+        || async {
+            let summary = app.summary("checker", &TARGETS.join(",")).await.json();
+            TARGETS
+                .iter()
+                .all(|t| {
+                    let served: Totals =
+                        serde_json::from_value(summary["items"][*t].clone()).unwrap_or_default();
+                    served == truth.get(*t).map(|tally| tally.totals).unwrap_or_default()
+                })
+                .then(Instant::now)
+        },
+    )
+    .await;
+
+    // A poll-to-poll move is never larger than the votes in flight between
+    // the two polls (a change of reaction moves each total by at most one).
+    let flights = flights
+        .lock()
+        .map(|f| {
+            f.iter()
+                .map(|x| (x.target, x.started, x.ended))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let mut worst_excess = 0i64;
+    let mut largest_move = 0i64;
+    for pair in polls.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        for t in 0..TARGETS.len() {
+            let in_flight = flights
+                .iter()
+                .filter(|(ft, s, e)| *ft == t && *s < b.at && *e > a.at)
+                .count() as i64;
+            for r in Reaction::COUNTED {
+                let moved = (b.totals[t].get(*r) - a.totals[t].get(*r)).abs();
+                largest_move = largest_move.max(moved);
+                worst_excess = worst_excess.max(moved - in_flight);
+            }
+        }
+    }
+    let violations = ryw_violations.lock().map(|v| v.clone()).unwrap_or_default();
+    eprintln!(
+        "served: {} votes over {:?} (TTL {ttl:?}), {} polls, largest move {largest_move}, \
+         worst move beyond the votes in flight {worst_excess}, drained {:?} after the load, \
+         served = recount {:?} after draining, read-your-writes violations {}",
+        flights.len(),
+        run_for,
+        polls.len(),
+        drained - load_ended,
+        converged - drained,
+        violations.len()
+    );
+    assert!(
+        flights.len() > 100,
+        "too little load to mean anything: {}",
+        flights.len()
+    );
+    assert!(
+        violations.is_empty(),
+        "read-your-writes violated: {:?}",
+        &violations[..violations.len().min(5)]
+    );
+    assert!(
+        worst_excess <= 0,
+        "a served total moved {worst_excess} more than the votes in flight"
+    );
+    Ok(())
+}
