@@ -78,6 +78,14 @@ fn main() {
 
 // ---------------------------------------------------------------- store
 
+/// What one store run does per operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Upsert,
+    Vote,
+    VoteWithOutbox,
+}
+
 async fn store_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_SECS", 15);
     let env = bench_env("load_store", 1).await;
@@ -96,10 +104,15 @@ async fn store_section(results: &mut Results) {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
 
-    for (name, lwt, hot) in [
-        ("plain upsert, uniform", false, false),
-        ("LWT vote, uniform over 10,000 targets", true, false),
-        ("LWT vote, 90% on one target", true, true),
+    for (name, op, hot) in [
+        ("plain upsert, uniform", Op::Upsert, false),
+        ("LWT vote, uniform over 10,000 targets", Op::Vote, false),
+        (
+            "LWT vote + outbox (intent, transition in the record), uniform",
+            Op::VoteWithOutbox,
+            false,
+        ),
+        ("LWT vote, 90% on one target", Op::Vote, true),
     ] {
         eprintln!("store: {name}, 64 in flight, {secs}s");
         let deadline = Instant::now() + Duration::from_secs(secs);
@@ -125,13 +138,19 @@ async fn store_section(results: &mut Results) {
                         format!("t{}", rng.below(10_000))
                     };
                     let start = Instant::now();
-                    if lwt {
+                    if op != Op::Upsert {
                         let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
                         {
                             (Ok(u), Ok(t)) => (u, t),
                             _ => panic!("bad ids {user} {target}"),
                         };
-                        match support::lwt_vote(&store, &user, &target, w * 1_000_000 + n).await {
+                        let k = w * 1_000_000 + n;
+                        let outcome = if op == Op::Vote {
+                            support::lwt_vote(&store, &user, &target, k).await
+                        } else {
+                            support::lwt_vote_with_outbox(&store, &user, &target, k).await
+                        };
+                        match outcome {
                             Cas::Applied => {}
                             Cas::NotApplied => {
                                 conflicts.fetch_add(1, Ordering::Relaxed);
@@ -257,6 +276,10 @@ async fn consumer_section(results: &mut Results) {
             parallelism: 16,
             drain_timeout: Duration::from_secs(30),
             mode,
+            cache_ttl: tally::cache::TtlPolicy {
+                min: Duration::from_secs(60),
+                max: Duration::from_secs(3600),
+            },
             listen: "127.0.0.1:0".into(),
             stores: tally::ops::Stores {
                 cassandra: cassandra.clone(),
@@ -338,6 +361,10 @@ async fn e2e_section(results: &mut Results) {
         parallelism: 16,
         drain_timeout: Duration::from_secs(30),
         mode: tally::consumer::WriteMode::Batched,
+        cache_ttl: tally::cache::TtlPolicy {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+        },
         listen: "127.0.0.1:0".into(),
         stores: tally::ops::Stores {
             cassandra: env.cassandra.clone(),

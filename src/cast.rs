@@ -411,6 +411,9 @@ impl AfterCommit {
             request_id.to_owned(),
         );
         tokio::spawn(async move {
+            // The request that committed it may still be counting it in the
+            // cache; once that is over, publishing cannot overtake it.
+            tokio::time::sleep(after.counts.cache.change_budget()).await;
             if let Ok(true) = after.store.outbox.is_resolved(bucket, &user, &key).await {
                 return;
             }

@@ -70,23 +70,34 @@ impl Counts {
     /// cache failure costs freshness until the consumer's next write of the
     /// target, never the vote.
     pub async fn apply_committed(&self, target: &TargetId, change: &Pending<'_>) {
-        let result = match self.cache.apply(target, change, None).await {
-            Ok(true) => Ok(()),
-            Ok(false) => match self.store.stats.head(target, ReadAt::Quorum).await {
-                Ok(head) => {
-                    let durable = (head.seq.unwrap_or(0), head.totals);
-                    self.cache
-                        .apply(target, change, Some(durable))
-                        .await
-                        .map(|_| ())
-                }
-                Err(e) => {
-                    tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
-                    Ok(())
-                }
-            },
-            Err(e) => Err(e),
+        // One deadline for the whole step, which Redis enforces too: after
+        // it the change may be published, and the consumer's write of it may
+        // land before a late command would.
+        let deadline = self.cache.change_deadline();
+        let step = async {
+            match self.cache.apply(target, change, None, deadline).await {
+                Ok(true) => Ok(()),
+                Ok(false) => match self.store.stats.head(target, ReadAt::Quorum).await {
+                    Ok(head) => {
+                        let durable = Some((head.seq.unwrap_or(0), head.totals));
+                        self.cache
+                            .apply(target, change, durable, deadline)
+                            .await
+                            .map(|_| ())
+                    }
+                    Err(e) => {
+                        tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
+                        Ok(())
+                    }
+                },
+                Err(e) => Err(e),
+            }
         };
+        let result = tokio::time::timeout(self.cache.change_budget(), step)
+            .await
+            .unwrap_or(Err(crate::cache::CacheError::Timeout(
+                self.cache.change_budget(),
+            )));
         if let Err(e) = result {
             tracing::warn!(target_id = %target, error = %e, "count cache not updated; the consumer's next write of this target corrects it");
         }

@@ -29,8 +29,9 @@ use crate::store::{Store, StoreError};
 #[derive(clap::Args, Debug, Clone)]
 pub struct RelayConfig {
     /// How old an intent must be before the relay checks it: longer than a
-    /// vote may take (its deadline plus one request timeout).
-    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "15s", value_parser = humantime::parse_duration)]
+    /// vote may take (its deadline, one request timeout, and counting the
+    /// change in the cache), so the relay never overtakes the vote.
+    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "20s", value_parser = humantime::parse_duration)]
     pub settle: Duration,
 
     /// How often the relay makes a pass.

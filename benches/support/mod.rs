@@ -75,16 +75,37 @@ pub mod rng;
 #[allow(unused_imports)]
 pub use rng::Zipf;
 
-/// One vote through the store code the API uses: the snapshot read, then
-/// the conditional batch (the change and its idempotency record), flipping
-/// the user between like and dislike. `n` makes the key unique.
+/// One vote through the store code the API used before the outbox: the
+/// snapshot read, then the conditional batch (the change and its
+/// idempotency record), flipping the user between like and dislike.
 pub async fn lwt_vote(
     store: &tally::store::Store,
     user: &tally::domain::UserId,
     target: &tally::domain::TargetId,
     n: u64,
 ) -> tally::store::Cas {
-    use tally::domain::{IdempotencyKey, Reaction, TargetType};
+    vote_with(store, user, target, n, false).await
+}
+
+/// The same vote as the API casts it now: its outbox intent first, and its
+/// transition stored in the record by the same conditional batch.
+pub async fn lwt_vote_with_outbox(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    n: u64,
+) -> tally::store::Cas {
+    vote_with(store, user, target, n, true).await
+}
+
+async fn vote_with(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    n: u64,
+    outbox: bool,
+) -> tally::store::Cas {
+    use tally::domain::{IdempotencyKey, Reaction, TargetType, Transition};
     use tally::store::Cas;
     use tally::store::reactions::{Change, KeyRecord};
     let key = match IdempotencyKey::parse(&format!("k{n}-{}", uuid::Uuid::new_v4().simple())) {
@@ -101,13 +122,32 @@ pub async fn lwt_vote(
     } else {
         Reaction::Like
     };
+    let (transition, intent_bucket) = if outbox {
+        let slot = match store.outbox.intend(user, &key).await {
+            Ok(slot) => slot,
+            Err(e) => return Cas::Failed(e.into()),
+        };
+        let t = Transition {
+            target_id: target.clone(),
+            target_type: TargetType::Video,
+            user_id: user.clone(),
+            from,
+            to,
+            version: snap.current.map_or(1, |c| c.version + 1),
+            occurred_at: "2026-11-30T00:00:00.000Z".into(),
+        };
+        let json = t.to_json().ok().and_then(|j| String::from_utf8(j).ok());
+        (json, Some(slot.bucket))
+    } else {
+        (None, None)
+    };
     let record = KeyRecord {
         request_hash: "h".into(),
         owner: uuid::Uuid::new_v4(),
         status: 200,
         body: "{}".into(),
-        transition: None,
-        intent_bucket: None,
+        transition,
+        intent_bucket,
     };
     let change = Change {
         user,

@@ -125,7 +125,8 @@ impl Application {
         );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
         let longest_vote = CastConfig::default().deadline
-            + Duration::from_millis(config.stores.cassandra.request_timeout_ms);
+            + Duration::from_millis(config.stores.cassandra.request_timeout_ms)
+            + cache.change_budget();
         if !config.relay.disabled && config.relay.settle <= longest_vote {
             // The relay could decide that a vote still in flight never
             // committed; if its own publish then failed, only reconcile

@@ -62,9 +62,9 @@ pub enum CacheError {
 //   seq        the `target_stats` seq its base was read or written at
 //   b:<name>   the base: the durable totals as of `seq`
 //   v:<name>   the served totals: the base plus every pending change
-//   p:<user>   a pending change, "version|to|from": the vote path counted
-//              the user at `to` (their row at `version`), and the base counts
-//              them at `from`
+//   p:<user>   a pending change, "version|to|from|ms": the vote path counted
+//              the user at `to` (their row at `version`) at `ms`, and the
+//              base counts them at `from`
 // The consumer (and reconcile) write each durable write through, with its
 // seq: the base becomes exact, the pending changes it now includes go, and
 // an older seq never overwrites a newer one. So a served count is wrong at
@@ -78,8 +78,12 @@ local function move(key, state, d)
   if state ~= 'none' then redis.call('HINCRBY', key, 'v:' .. state, d) end
 end
 local function parse(p)
-  local v, to, from = string.match(p, '^(%d+)|([^|]*)|([^|]*)$')
-  return tonumber(v), to, from
+  local v, to, from, ms = string.match(p, '^(%d+)|([^|]*)|([^|]*)|(%d+)$')
+  return tonumber(v), to, from, tonumber(ms)
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function served(key, names)
   local out = {}
@@ -105,8 +109,8 @@ end
 /// ARGV: n, ttl, deadline, n names, user, version, to, from, seq, n base.
 const APPLY: &str = r"
 local n = tonumber(ARGV[1])
-local t = redis.call('TIME')
-if t[1] * 1000 + math.floor(t[2] / 1000) > tonumber(ARGV[3]) then return -1 end
+local now = now_ms()
+if now > tonumber(ARGV[3]) then return -1 end
 local names = {}
 for i = 1, n do names[i] = ARGV[3 + i] end
 local user, version, to, from = ARGV[4 + n], tonumber(ARGV[5 + n]), ARGV[6 + n], ARGV[7 + n]
@@ -123,11 +127,11 @@ if cur then
   if cv >= version then return served(KEYS[1], names) end
   move(KEYS[1], cto, -1)
   move(KEYS[1], to, 1)
-  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. cfrom)
+  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. cfrom .. '|' .. now)
 else
   move(KEYS[1], from, -1)
   move(KEYS[1], to, 1)
-  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. from)
+  redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. from .. '|' .. now)
 end
 return served(KEYS[1], names)
 ";
@@ -148,39 +152,47 @@ return served(KEYS[1], names)
 ";
 
 /// A durable write, written through: the base at `seq` (if newer than the
-/// entry's), and the users it counted, each at (version, state).
-/// ARGV: n, ttl, n names, seq, n base, k, then k times user, version, state.
+/// entry's), and the users it counted, each at (version, state). A pending
+/// change older than `stale` ms is dropped too: the consumer has counted it
+/// long since, and only a write-through that failed (Redis down) left it.
+/// ARGV: n, ttl, stale, n names, seq, n base, k, then k times user, version,
+/// state.
 const WRITE_THROUGH: &str = r"
 local n = tonumber(ARGV[1])
+local stale = now_ms() - tonumber(ARGV[3])
 local names = {}
-for i = 1, n do names[i] = ARGV[2 + i] end
-local seq = tonumber(ARGV[3 + n])
+for i = 1, n do names[i] = ARGV[3 + i] end
+local seq = tonumber(ARGV[4 + n])
 local cur = redis.call('HGET', KEYS[1], 'seq')
 if cur and tonumber(cur) >= seq then return 0 end
-for i = 1, n do redis.call('HSET', KEYS[1], 'b:' .. names[i], ARGV[3 + n + i]) end
+for i = 1, n do redis.call('HSET', KEYS[1], 'b:' .. names[i], ARGV[4 + n + i]) end
 redis.call('HSET', KEYS[1], 'seq', seq)
-local k = tonumber(ARGV[4 + 2 * n])
+local k = tonumber(ARGV[5 + 2 * n])
 for j = 0, k - 1 do
-  local at = 5 + 2 * n + 3 * j
+  local at = 6 + 2 * n + 3 * j
   local field = 'p:' .. ARGV[at]
   local cur = redis.call('HGET', KEYS[1], field)
   if cur then
-    local pv, pto, pfrom = parse(cur)
+    local pv, pto, pfrom, pms = parse(cur)
     if pv <= tonumber(ARGV[at + 1]) then
       redis.call('HDEL', KEYS[1], field)
     else
-      redis.call('HSET', KEYS[1], field, pv .. '|' .. pto .. '|' .. ARGV[at + 2])
+      redis.call('HSET', KEYS[1], field, pv .. '|' .. pto .. '|' .. ARGV[at + 2] .. '|' .. (pms or 0))
     end
   end
 end
 local v = {}
-for i = 1, n do v[names[i]] = tonumber(ARGV[3 + n + i]) end
+for i = 1, n do v[names[i]] = tonumber(ARGV[4 + n + i]) end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   if string.sub(all[i], 1, 2) == 'p:' then
-    local _, to, from = parse(all[i + 1])
-    if v[to] then v[to] = v[to] + 1 end
-    if v[from] then v[from] = v[from] - 1 end
+    local _, to, from, ms = parse(all[i + 1])
+    if ms == nil or ms < stale then
+      redis.call('HDEL', KEYS[1], all[i])
+    else
+      if v[to] then v[to] = v[to] + 1 end
+      if v[from] then v[from] = v[from] - 1 end
+    end
   end
 end
 for i = 1, n do redis.call('HSET', KEYS[1], 'v:' .. names[i], v[names[i]]) end
@@ -238,6 +250,10 @@ pub struct Cache {
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
 }
+
+/// How old a pending change may grow before a write-through drops it: far
+/// beyond a healthy consumer's lag.
+const PENDING_STALE: Duration = Duration::from_secs(30);
 
 /// How much earlier than its own deadline a vote's change is refused by
 /// Redis: a margin for the clocks of the API and Redis to disagree.
@@ -323,16 +339,30 @@ impl Cache {
         totals_of(values)
     }
 
-    /// Counts a committed change ahead of the consumer. With `durable` (the
-    /// head: seq and totals) an absent entry is filled first; without, an
-    /// absent entry is left absent and the answer is `Ok(false)`.
+    /// How long the vote path may spend counting one change, from its
+    /// commit: Redis refuses the change after that (see `apply`).
+    pub fn change_budget(&self) -> Duration {
+        self.timeout * 2 + Duration::from_secs(1)
+    }
+
+    /// The moment after which Redis refuses a change counted now: the
+    /// budget, less a margin for the clocks of the API and Redis.
+    pub fn change_deadline(&self) -> SystemTime {
+        SystemTime::now() + self.change_budget().saturating_sub(CLOCK_MARGIN)
+    }
+
+    /// Counts a committed change ahead of the consumer, if Redis runs it
+    /// before `deadline` (from `change_deadline`, taken once per change).
+    /// With `durable` (the head: seq and totals) an absent entry is filled
+    /// first; without, an absent entry is left absent and the answer is
+    /// `Ok(false)`.
     pub async fn apply(
         &self,
         target: &TargetId,
         change: &Pending<'_>,
         durable: Option<(i64, Totals)>,
+        deadline: SystemTime,
     ) -> Result<bool, CacheError> {
-        let deadline = SystemTime::now() + self.timeout.saturating_sub(CLOCK_MARGIN);
         let deadline_ms = deadline
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
@@ -371,6 +401,7 @@ impl Cache {
         let mut call = self.write_through.key(self.key(target));
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
+            .arg(u64::try_from(PENDING_STALE.as_millis()).unwrap_or(u64::MAX))
             .arg(names())
             .arg(written.seq)
             .arg(&written.totals.values()[..])

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::source::{Received, Source};
-use crate::cache::Cache;
+use crate::cache::{Cache, TtlPolicy};
 use crate::domain::{Ledger, TargetId, Transition, UserId};
 use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
 use crate::ops::Stores;
@@ -65,6 +65,10 @@ pub struct ConsumerConfig {
     #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: String,
 
+    /// The TTL of cache entries it writes through; it follows the group's
+    /// lag, as the vote API's does.
+    #[command(flatten)]
+    pub cache_ttl: TtlPolicy,
     #[command(flatten)]
     pub stores: Stores,
 }
@@ -98,7 +102,12 @@ pub async fn run(
     let store = Arc::new(Store::open(&config.stores.cassandra, Duration::from_secs(1)).await?);
     let source = Source::join(&config.stores.kafka, &config.group)?;
     let dead_letters = DeadLetters::new(&config.stores.kafka)?;
-    let cache = Cache::new(&config.stores.redis, Duration::from_secs(60))?;
+    let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
+    let ttl_task = tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
+        cache.clone(),
+        config.stores.kafka.clone(),
+        config.group.clone(),
+    ));
     let readiness =
         crate::ops::Readiness::for_consumer(store.clone(), &config.stores.kafka, cache.clone())?;
     let (port, ops_server) =
@@ -148,6 +157,7 @@ pub async fn run(
 
     source.leave();
     lag_task.abort();
+    ttl_task.abort();
     ops_handle.stop(true).await;
     tracing::info!(
         processed = progress.processed.load(Ordering::Relaxed),

@@ -33,7 +33,9 @@ async fn served_totals_converge_under_continuous_load_longer_than_three_ttls() -
     let mut config = env.api_config();
     config.cache_ttl = tally::cache::TtlPolicy { min: ttl, max: ttl };
     let app = Arc::new(env.spawn_app_with(config).await);
-    let consumer = env.start_consumer();
+    let mut consumer = env.consumer_config();
+    consumer.cache_ttl = tally::cache::TtlPolicy { min: ttl, max: ttl };
+    let consumer = env.start_consumer_with(consumer);
     let run_for = ttl * 4;
     let deadline = Instant::now() + run_for;
     let flights = Arc::new(Mutex::new(Vec::<Flight>::new()));

@@ -38,6 +38,10 @@ impl TestEnv {
             parallelism: 8,
             drain_timeout: Duration::from_secs(20),
             mode: tally::consumer::WriteMode::Batched,
+            cache_ttl: tally::cache::TtlPolicy {
+                min: Duration::from_secs(60),
+                max: Duration::from_secs(3600),
+            },
             listen: "127.0.0.1:0".into(),
             stores: self.stores(),
         }
