@@ -72,6 +72,9 @@ fn main() {
         if which == "all" || which == "e2e" {
             e2e_section(&mut results).await;
         }
+        if which == "all" || which == "outage" {
+            outage_section().await;
+        }
     });
     report::report(&results);
 }
@@ -321,33 +324,7 @@ const SECRET: &str = "bench-secret-0123";
 async fn e2e_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_E2E_SECS", 10);
     let env = bench_env("load_e2e", 6).await;
-    let api = tally::api::ApiConfig {
-        listen: "127.0.0.1:0".into(),
-        workers: 2,
-        idempotency_ttl: Duration::from_secs(3600),
-        publish_timeout: Duration::from_secs(5),
-        publish_wait: Duration::from_millis(500),
-        user_rate: 1000.0,
-        user_burst: 1000,
-        max_in_flight: 4096,
-        consumer_group: format!("bench-e2e-{}", std::process::id()),
-        relay: tally::relay::RelayConfig {
-            settle: Duration::from_secs(15),
-            interval: Duration::from_secs(2),
-            horizon: Duration::from_secs(900),
-            disabled: false,
-        },
-        auth: tally::auth::AuthConfig::hs256(SECRET),
-        cache_ttl: tally::cache::TtlPolicy {
-            min: Duration::from_secs(60),
-            max: Duration::from_secs(3600),
-        },
-        stores: tally::ops::Stores {
-            cassandra: env.cassandra.clone(),
-            kafka: env.kafka.clone(),
-            redis: env.redis.clone(),
-        },
-    };
+    let api = api_config(&env, env.kafka.clone());
     let app = tally::api::Application::build(api)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
@@ -467,6 +444,105 @@ async fn e2e_section(results: &mut Results) {
     }
     let _ = stop.send(true);
     let _ = consumer.await;
+    env.drop_all().await;
+}
+
+/// The vote API as the benches run it: limits out of the way, everything
+/// else as in production.
+fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally::api::ApiConfig {
+    tally::api::ApiConfig {
+        listen: "127.0.0.1:0".into(),
+        workers: 2,
+        idempotency_ttl: Duration::from_secs(3600),
+        publish_timeout: Duration::from_secs(3),
+        publish_wait: Duration::from_millis(500),
+        user_rate: 1000.0,
+        user_burst: 1000,
+        max_in_flight: 4096,
+        consumer_group: format!("bench-e2e-{}", std::process::id()),
+        relay: tally::relay::RelayConfig {
+            settle: Duration::from_secs(20),
+            interval: Duration::from_secs(2),
+            horizon: Duration::from_secs(900),
+            disabled: false,
+        },
+        auth: tally::auth::AuthConfig::hs256(SECRET),
+        cache_ttl: tally::cache::TtlPolicy {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+        },
+        stores: tally::ops::Stores {
+            cassandra: env.cassandra.clone(),
+            kafka,
+            redis: env.redis.clone(),
+        },
+    }
+}
+
+// ---------------------------------------------------------------- outage
+
+/// Votes per second through the API with Kafka reachable, then with Kafka
+/// unreachable (the relay publishes later), in one run: what an outage
+/// costs the write path. Closed loop, 64 in flight, each for
+/// TALLY_BENCH_E2E_SECS.
+async fn outage_section() {
+    let secs = env_num("TALLY_BENCH_E2E_SECS", 10);
+    let env = bench_env("load_outage", 6).await;
+    let tokens: Arc<Vec<String>> = Arc::new(
+        (0..2000)
+            .map(|i| {
+                let auth = tally::auth::AuthConfig::hs256(SECRET);
+                tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![])
+            })
+            .collect::<Result<_, _>>()
+            .unwrap_or_else(|e| panic!("{e:#}")),
+    );
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut rates = Vec::new();
+    for (name, brokers) in [
+        ("Kafka reachable", env.kafka.brokers.clone()),
+        ("Kafka unreachable", "127.0.0.1:9".to_owned()),
+    ] {
+        let mut kafka = env.kafka.clone();
+        kafka.brokers = brokers;
+        let mut api = api_config(&env, kafka);
+        // Nothing publishes the cut-off run's votes: its relay is off.
+        api.relay.disabled = true;
+        let app = tally::api::Application::build(api)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let base = format!("http://127.0.0.1:{}", app.port());
+        tokio::spawn(app.run_until_stopped());
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        let mut tasks = Vec::new();
+        for w in 0..64u64 {
+            let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut rng = Zipf::new(10_000, 1.1, 5000 + w);
+                let mut ok = 0u64;
+                while Instant::now() < deadline {
+                    ok += u64::from(write_once(&client, &base, &tokens, &mut rng).await);
+                }
+                ok
+            }));
+        }
+        let mut ok = 0;
+        for t in tasks {
+            ok += t.await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let rate = ok as f64 / secs as f64;
+        eprintln!("outage: {name}: {rate:.0} votes/s accepted");
+        rates.push(rate);
+    }
+    if let [up, down] = rates[..] {
+        eprintln!(
+            "outage: votes/s with Kafka unreachable / reachable = {:.2}",
+            down / up.max(1.0)
+        );
+    }
     env.drop_all().await;
 }
 

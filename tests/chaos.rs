@@ -29,6 +29,15 @@ fn env_num(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// The checkout being tested: cargo names it when it runs the test (a binary
+/// built from another checkout of the same sources would not know it).
+fn root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -91,7 +100,8 @@ impl Services {
 }
 
 fn stack(args: &[&str]) {
-    let root = env!("CARGO_MANIFEST_DIR");
+    let root = root();
+    let root = root.display();
     let status = Command::new(format!("{root}/scripts/stack.sh"))
         .args(args)
         .status()
@@ -653,7 +663,7 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         "chaos report: {}",
         serde_json::to_string_pretty(&report).unwrap_or_default()
     );
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tally-chaos");
+    let dir = root().join("target/tally-chaos");
     let _ = std::fs::create_dir_all(&dir);
     let _ = std::fs::write(
         dir.join(format!("report-seed{seed}.json")),

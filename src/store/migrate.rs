@@ -16,28 +16,23 @@ pub struct Migration {
     pub cql: &'static str,
 }
 
+/// A migration from `migrations/<id>.cql`, compiled in.
+macro_rules! migration {
+    ($id:literal) => {
+        Migration {
+            id: $id,
+            cql: include_str!(concat!("../../migrations/", $id, ".cql")),
+        }
+    };
+}
+
 pub const MIGRATIONS: &[Migration] = &[
-    Migration {
-        id: "0001_reactions",
-        cql: include_str!("../../migrations/0001_reactions.cql"),
-    },
-    Migration {
-        id: "0002_target_stats",
-        cql: include_str!("../../migrations/0002_target_stats.cql"),
-    },
-    Migration {
-        id: "0003_reconcile",
-        cql: include_str!("../../migrations/0003_reconcile.cql"),
-    },
-    Migration {
-        id: "0004_outbox",
-        cql: include_str!("../../migrations/0004_outbox.cql"),
-    },
+    migration!("0001_reactions"),
+    migration!("0002_target_stats"),
+    migration!("0003_reconcile"),
+    migration!("0004_outbox"),
     #[cfg(feature = "third-reaction")]
-    Migration {
-        id: "9001_love",
-        cql: include_str!("../../migrations/feature/9001_love.cql"),
-    },
+    migration!("feature/9001_love"),
 ];
 
 /// Keyspace replication: `simple:N` (SimpleStrategy, for one local node) or

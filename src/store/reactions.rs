@@ -236,18 +236,7 @@ impl Reactions {
         let now = CqlTimestamp(now_millis());
         let (user, target) = (change.user.as_str(), change.target.as_str());
         let key_row = key_row(change.key);
-        let r = change.record;
-        let record = (
-            user,
-            key_row.as_str(),
-            r.request_hash.as_str(),
-            r.owner,
-            i32::from(r.status),
-            r.body.as_str(),
-            r.transition.as_deref(),
-            r.intent_bucket,
-            self.key_ttl_secs,
-        );
+        let record = self.record_values(change.user, &key_row, change.record);
         let result = match change.expected {
             None => {
                 let first = (
@@ -281,21 +270,31 @@ impl Reactions {
     /// that state), so its retries get the same answer.
     pub async fn record(&self, user: &UserId, key: &IdempotencyKey, record: &KeyRecord) -> Cas {
         let key_row = key_row(key);
-        let values = (
-            user.as_str(),
-            key_row.as_str(),
-            record.request_hash.as_str(),
-            record.owner,
-            i32::from(record.status),
-            record.body.as_str(),
-            record.transition.as_deref(),
-            record.intent_bucket,
-            self.key_ttl_secs,
-        );
+        let values = self.record_values(user, &key_row, record);
         classify(
             self.session
                 .execute_unpaged(&self.record_only, values)
                 .await,
+        )
+    }
+
+    /// The bound values of `record_only`, the insert of a key's record.
+    fn record_values<'a>(
+        &self,
+        user: &'a UserId,
+        key_row: &'a str,
+        r: &'a KeyRecord,
+    ) -> impl scylla::serialize::row::SerializeRow + 'a {
+        (
+            user.as_str(),
+            key_row,
+            r.request_hash.as_str(),
+            r.owner,
+            i32::from(r.status),
+            r.body.as_str(),
+            r.transition.as_deref(),
+            r.intent_bucket,
+            self.key_ttl_secs,
         )
     }
 
