@@ -60,9 +60,9 @@ macro_rules! declare_reactions {
 declare_reactions! {
     Like = "like", total "likes";
     Dislike = "dislike", total "dislikes";
-    /// A third reaction, compiled in only by the `third-reaction` feature:
-    /// the build that proves a new reaction needs nothing but its line here
-    /// and its migration.
+    // A third reaction, compiled in only by the `third-reaction` feature:
+    // the build that proves a new reaction needs nothing but its line here
+    // and its migration.
     #[cfg(feature = "third-reaction")]
     Love = "love", total "loves";
 }
