@@ -16,6 +16,16 @@ use uuid::Uuid;
 use super::{Cas, StoreError, classify};
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
+/// The types of an idempotency record's columns (request_hash,
+/// request_owner, response_status, response_body, transition, intent_bucket),
+/// after the types of any columns a query reads before them: rows are flat
+/// tuples, and this keeps the record's part declared once.
+macro_rules! record_columns {
+    ($($before:ty),*) => {
+        ($($before,)* Option<String>, Option<Uuid>, Option<i32>, Option<String>, Option<String>, Option<i64>)
+    };
+}
+
 /// Clustering values of idempotency rows start with this; target ids cannot.
 const KEY_MARKER: char = '#';
 
@@ -176,17 +186,8 @@ impl Reactions {
             &self.snapshot
         };
         let key_row = key_row(key);
-        type Row = (
-            String,
-            Option<String>,
-            Option<i64>,
-            Option<String>,
-            Option<Uuid>,
-            Option<i32>,
-            Option<String>,
-            Option<String>,
-            Option<i64>,
-        );
+        // The reaction's columns, then the record's.
+        type Row = record_columns!(String, Option<String>, Option<i64>);
         let rows: Vec<Row> = super::all_rows(
             &self.session,
             stmt,
@@ -341,14 +342,7 @@ impl Reactions {
 }
 
 /// The columns of an idempotency record.
-type RecordRow = (
-    Option<String>,
-    Option<Uuid>,
-    Option<i32>,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-);
+type RecordRow = record_columns!();
 
 /// A record from its columns; `None` for a row that is not a whole record.
 fn key_record(
