@@ -351,23 +351,7 @@ async fn e2e_section(results: &mut Results) {
     };
     let consumer = tokio::spawn(tally::consumer::run(consumer_config, rx, Arc::default()));
 
-    let tokens: Arc<Vec<String>> = Arc::new(
-        (0..2000)
-            .map(|i| {
-                tally::auth::mint(
-                    &tally::auth::AuthConfig::hs256(SECRET),
-                    &format!("u{i}"),
-                    Duration::from_secs(7200),
-                    vec![],
-                )
-            })
-            .collect::<Result<_, _>>()
-            .unwrap_or_else(|e| panic!("{e:#}")),
-    );
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(512)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (tokens, client) = voters_and_client();
 
     // Closed loop, 64 in flight: the API's saturation throughput, to set
     // against the store's bare conditional-write rate.
@@ -447,6 +431,20 @@ async fn e2e_section(results: &mut Results) {
     env.drop_all().await;
 }
 
+/// Tokens for 2,000 voters, and an HTTP client with room for them all.
+fn voters_and_client() -> (Arc<Vec<String>>, reqwest::Client) {
+    let auth = tally::auth::AuthConfig::hs256(SECRET);
+    let tokens = (0..2000)
+        .map(|i| tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![]))
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    (Arc::new(tokens), client)
+}
+
 /// The vote API as the benches run it: limits out of the way, everything
 /// else as in production.
 fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally::api::ApiConfig {
@@ -488,19 +486,7 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
 async fn outage_section() {
     let secs = env_num("TALLY_BENCH_E2E_SECS", 10);
     let env = bench_env("load_outage", 6).await;
-    let tokens: Arc<Vec<String>> = Arc::new(
-        (0..2000)
-            .map(|i| {
-                let auth = tally::auth::AuthConfig::hs256(SECRET);
-                tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![])
-            })
-            .collect::<Result<_, _>>()
-            .unwrap_or_else(|e| panic!("{e:#}")),
-    );
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(512)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (tokens, client) = voters_and_client();
     let mut rates = Vec::new();
     for (name, brokers) in [
         ("Kafka reachable", env.kafka.brokers.clone()),

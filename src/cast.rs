@@ -129,7 +129,7 @@ pub struct Caster {
 
 /// The change the current attempt is trying to commit.
 struct Attempt {
-    transition: Option<(Transition, Delta)>,
+    transition: Option<Transition>,
     body: String,
 }
 
@@ -222,17 +222,14 @@ impl Caster {
             let delta = Delta::between(from, vote.action);
             let version = snap.current.map_or(1, |c| c.version + 1);
             let a = Attempt {
-                transition: (from != vote.action).then(|| {
-                    let t = Transition {
-                        target_id: vote.target_id.clone(),
-                        target_type: vote.target_type,
-                        user_id: user.clone(),
-                        from,
-                        to: vote.action,
-                        version,
-                        occurred_at: now_rfc3339(),
-                    };
-                    (t, delta)
+                transition: (from != vote.action).then(|| Transition {
+                    target_id: vote.target_id.clone(),
+                    target_type: vote.target_type,
+                    user_id: user.clone(),
+                    from,
+                    to: vote.action,
+                    version,
+                    occurred_at: now_rfc3339(),
                 }),
                 body: body(&vote.target_id, before.apply(delta), vote.action)?,
             };
@@ -241,7 +238,7 @@ impl Caster {
                 intent = Some(self.store.outbox.intend(user, key).await?);
             }
             let transition = match &a.transition {
-                Some((t, _)) => Some(
+                Some(t) => Some(
                     String::from_utf8(t.to_json().map_err(|e| CastError::Unexpected(e.into()))?)
                         .map_err(|e| CastError::Unexpected(e.into()))?,
                 ),
@@ -316,7 +313,7 @@ impl Caster {
         intent: Option<Slot>,
         request_id: &str,
     ) -> Answer {
-        if let Some((transition, _)) = attempt.transition {
+        if let Some(transition) = attempt.transition {
             let (cached, cache_done) = tokio::sync::oneshot::channel();
             let (published, publish_done) = tokio::sync::oneshot::channel();
             let after = self.after.clone();
