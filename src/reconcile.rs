@@ -8,10 +8,15 @@
 //! are the consumer's fenced writes, so a consumer or a vote running at the
 //! same time can neither be overwritten nor counted twice: if the fence moved,
 //! the whole recount starts again.
+//!
+//! A row that changed within the lag grace and is not yet counted is in
+//! flight, not drift: the consumer may simply not have reached it. It is
+//! counted all the same (the fence makes that safe), but it neither marks
+//! the target drifted nor makes `--fail-on-drift` page.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use tokio::sync::watch;
@@ -19,12 +24,17 @@ use tokio::sync::watch;
 use crate::cache::Cache;
 use crate::domain::{Applied, Ledger, TargetId, Totals, UserId};
 use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
-use crate::store::reactions::Current;
+use crate::store::reactions::Counted;
 use crate::store::targets::Checkpoint;
 use crate::store::{Store, StoreError};
 
 /// Fence conflicts tolerated for one target before giving up on it for now.
-const MAX_ROUNDS: u32 = 20;
+pub const DEFAULT_MAX_FENCE_LOSSES: u32 = 20;
+
+/// How recently a row may have changed and still be waiting for the
+/// consumer: the relay's settle time (20 s) plus its interval and a
+/// consumer's ordinary lag, with room to spare.
+pub const DEFAULT_LAG_GRACE: Duration = Duration::from_secs(60);
 
 /// What reconciling one target found and did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -35,8 +45,12 @@ pub struct Report {
     pub totals_before: Totals,
     /// The totals the per-user rows add up to.
     pub totals_after: Totals,
-    /// Users whose applied version was missing or behind `reactions`.
+    /// Users whose applied version or state was missing, behind or wrong,
+    /// and whose row changed before the lag grace: drift.
     pub users_behind: usize,
+    /// Users not yet counted whose row changed within the lag grace: the
+    /// consumer's ordinary lag, counted now but not drift.
+    pub users_in_flight: usize,
     /// Whether the repair was written (false on a dry run or without drift).
     pub repaired: bool,
 }
@@ -53,17 +67,38 @@ pub enum ReconcileError {
 pub struct Reconciler {
     store: Arc<Store>,
     cache: Option<Cache>,
+    max_fence_losses: u32,
+    lag_grace: Duration,
 }
 
 impl Reconciler {
     pub fn new(store: Arc<Store>, cache: Option<Cache>) -> Reconciler {
-        Reconciler { store, cache }
+        Reconciler {
+            store,
+            cache,
+            max_fence_losses: DEFAULT_MAX_FENCE_LOSSES,
+            lag_grace: DEFAULT_LAG_GRACE,
+        }
+    }
+
+    /// Gives up on a target (for now) after losing its fence this many times.
+    pub fn with_max_fence_losses(mut self, losses: u32) -> Reconciler {
+        self.max_fence_losses = losses.max(1);
+        self
+    }
+
+    /// Rows that changed less than this long ago are in flight, not drift.
+    pub fn with_lag_grace(mut self, grace: Duration) -> Reconciler {
+        self.lag_grace = grace;
+        self
     }
 
     pub async fn target(&self, target: &TargetId, dry_run: bool) -> Result<Report, ReconcileError> {
         let mut recount = Recount {
             store: &self.store,
             dry_run,
+            settled_before_ms: now_ms()
+                .saturating_sub(i64::try_from(self.lag_grace.as_millis()).unwrap_or(i64::MAX)),
             report: None,
         };
         let done = fence::write(
@@ -71,7 +106,7 @@ impl Reconciler {
             self.cache.as_ref(),
             target,
             Scope::Everyone,
-            Some(MAX_ROUNDS),
+            Some(self.max_fence_losses),
             &mut recount,
         )
         .await?;
@@ -85,6 +120,9 @@ impl Reconciler {
             }
         };
         metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
+        if report.users_in_flight > 0 {
+            tracing::debug!(target_id = %target, users_in_flight = report.users_in_flight, "rows within the lag grace counted ahead of the consumer");
+        }
         if !report.drifted {
             return Ok(report);
         }
@@ -157,15 +195,11 @@ impl Reconciler {
                     }
                     Err(e) => return Err(e),
                 };
-                summary.targets_checked += 1;
                 cp.checked += 1;
                 if report.drifted {
-                    summary.targets_drifted += 1;
                     cp.drifted += 1;
-                    if summary.corrections.len() < MAX_LISTED {
-                        summary.corrections.push(report);
-                    }
                 }
+                summary.record(report);
                 cp.last_token = Some(token);
                 on_progress(&SweepStatus {
                     checkpoint: cp,
@@ -183,13 +217,15 @@ impl Reconciler {
 struct Recount<'a> {
     store: &'a Store,
     dry_run: bool,
+    /// Rows changed at or after this (ms since the epoch) are in flight.
+    settled_before_ms: i64,
     /// What the first round found; later rounds only finish its repair.
     report: Option<Report>,
 }
 
 impl Fold for Recount<'_> {
     async fn fold(&mut self, target: &TargetId, read: Read) -> Result<Step, StoreError> {
-        let truth: HashMap<UserId, Current> = self
+        let truth: HashMap<UserId, Counted> = self
             .store
             .reactions
             .by_target(target)
@@ -217,25 +253,40 @@ impl Fold for Recount<'_> {
         }
         let mut plan = Ledger::new(recounted, base.clone());
         for (user, row) in &truth {
-            plan.correct_row(user, row.version, row.state);
+            plan.correct_row(user, row.current.version, row.current.state);
         }
         for user in &ghosts {
             plan.forget(user);
         }
         let behind: Vec<&UserId> = plan.changed.iter().collect();
-        let drifted = recounted != before || !behind.is_empty();
+        let in_flight = behind
+            .iter()
+            .filter(|u| {
+                truth.get(**u).is_some_and(|row| {
+                    // Only a row ahead of its count can be lag; one counted
+                    // at its own version with another state is damage.
+                    let counted = base.get(**u).map_or(0, |a| a.version);
+                    row.current.version > counted
+                        && row
+                            .updated_at_ms
+                            .is_some_and(|t| t >= self.settled_before_ms)
+                })
+            })
+            .count();
+        let drifted = recounted != before || behind.len() > in_flight;
         let first = self.report.get_or_insert_with(|| Report {
             target_id: target.to_string(),
             drifted,
             totals_before: before,
             totals_after: plan.totals,
-            users_behind: behind.len(),
+            users_behind: behind.len() - in_flight,
+            users_in_flight: in_flight,
             repaired: false,
         });
         // A later round (after a lost fence, or the next chunk) reports what
         // the first one found, and what the whole repair ends at.
         first.totals_after = plan.totals;
-        if !drifted || self.dry_run {
+        if (behind.is_empty() && !drifted) || self.dry_run {
             return Ok(Step::Settled);
         }
         // One chunk per round, each self-consistent: its totals are the
@@ -244,7 +295,7 @@ impl Fold for Recount<'_> {
         let mut ledger = Ledger::new(recounted, base);
         for user in chunk {
             match truth.get(*user) {
-                Some(row) => ledger.correct_row(user, row.version, row.state),
+                Some(row) => ledger.correct_row(user, row.current.version, row.current.state),
                 None => ledger.forget(user),
             }
         }
@@ -285,11 +336,34 @@ pub struct SweepSummary {
     /// left for the next sweep.
     pub targets_skipped: u64,
     pub skipped: Vec<String>,
+    /// Users counted ahead of the consumer, within the lag grace (not drift).
+    pub users_in_flight: u64,
     pub corrections: Vec<Report>,
     /// The token this run resumed after, if it resumed.
     pub resumed_from: Option<i64>,
     /// False when the sweep was stopped before the end.
     pub complete: bool,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+impl SweepSummary {
+    /// Adds one target's report.
+    pub fn record(&mut self, report: Report) {
+        self.targets_checked += 1;
+        self.users_in_flight += report.users_in_flight as u64;
+        if report.drifted {
+            self.targets_drifted += 1;
+            if self.corrections.len() < MAX_LISTED {
+                self.corrections.push(report);
+            }
+        }
+    }
 }
 
 /// Murmur3 tokens span the whole i64 range; a token's place in it tells how

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::cache::{Cache, RedisConfig};
 use crate::domain::TargetId;
-use crate::reconcile::{Reconciler, SweepOptions, SweepSummary};
+use crate::reconcile::{ReconcileError, Reconciler, SweepOptions, SweepSummary};
 use crate::store::{CassandraConfig, Store};
 
 #[derive(clap::Args, Debug)]
@@ -52,6 +52,19 @@ pub struct ReconcileArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     pub repeat_every: Option<std::time::Duration>,
 
+    /// Rows that changed less than this long ago and are not yet counted are
+    /// in flight (the consumer's lag), not drift: they are counted, but they
+    /// neither mark a target drifted nor trip --fail-on-drift.
+    #[arg(long, env = "TALLY_RECONCILE_LAG_GRACE", value_parser = humantime::parse_duration,
+          default_value = "60s")]
+    pub lag_grace: Duration,
+
+    /// Skip a target (and report it) after losing its fence to another writer
+    /// this many times; the next sweep retries it.
+    #[arg(long, default_value_t = crate::reconcile::DEFAULT_MAX_FENCE_LOSSES,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_fence_losses: u32,
+
     #[command(flatten)]
     pub cassandra: CassandraConfig,
     #[command(flatten)]
@@ -70,7 +83,9 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let cache = Cache::new(&args.redis, Duration::from_secs(60))
         .inspect_err(|e| tracing::warn!(error = %e, "no cache; repaired targets keep stale cached totals until they expire"))
         .ok();
-    let reconciler = Reconciler::new(store, cache);
+    let reconciler = Reconciler::new(store, cache)
+        .with_lag_grace(args.lag_grace)
+        .with_max_fence_losses(args.max_fence_losses);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         super::shutdown_signal().await;
@@ -103,12 +118,16 @@ async fn each_target(
         ..SweepSummary::default()
     };
     for target in targets {
-        let report = reconciler.target(target, dry_run).await?;
-        summary.targets_checked += 1;
-        if report.drifted {
-            summary.targets_drifted += 1;
-            summary.corrections.push(report);
-        }
+        let report = match reconciler.target(target, dry_run).await {
+            Ok(report) => report,
+            Err(ReconcileError::Contention(id)) => {
+                summary.targets_skipped += 1;
+                summary.skipped.push(id);
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        summary.record(report);
     }
     Ok(summary)
 }
@@ -156,6 +175,7 @@ fn json_report(summary: &SweepSummary, dry_run: bool) -> serde_json::Value {
         "targets_checked": summary.targets_checked,
         "targets_drifted": summary.targets_drifted,
         "targets_skipped": summary.targets_skipped,
+        "users_in_flight": summary.users_in_flight,
         "skipped": summary.skipped,
         "dry_run": dry_run,
         "complete": summary.complete,
@@ -186,8 +206,12 @@ fn text_report(summary: &SweepSummary) -> String {
     } else {
         " (interrupted; run again to resume)"
     };
+    let in_flight = match summary.users_in_flight {
+        0 => String::new(),
+        n => format!(", {n} user(s) in flight counted ahead of the consumer"),
+    };
     out += &format!(
-        "checked {} target(s), {} drifted{interrupted}\n",
+        "checked {} target(s), {} drifted{in_flight}{interrupted}\n",
         summary.targets_checked, summary.targets_drifted
     );
     out

@@ -120,7 +120,9 @@ impl Reactions {
 
         // Served by the reactions_by_target SAI index; reconcile only.
         let by_target = session
-            .prepare("SELECT user_id, state, version FROM reactions WHERE target_id = ?")
+            .prepare(
+                "SELECT user_id, state, version, updated_at FROM reactions WHERE target_id = ?",
+            )
             .await
             .context("prepare by target")?;
 
@@ -323,22 +325,39 @@ impl Reactions {
 }
 
 impl Reactions {
-    /// Every user's (state, version) for one target, paged through the
-    /// SAI index: the truth reconcile counts from.
-    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Current)>, StoreError> {
-        let rows: Vec<(String, Option<String>, Option<i64>)> =
+    /// Every user's row for one target, paged through the SAI index: the
+    /// truth reconcile counts from.
+    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Counted)>, StoreError> {
+        let rows: Vec<ByTargetRow> =
             super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
         let mut out = Vec::with_capacity(rows.len());
-        for (user, state, version) in rows {
+        for (user, state, version, updated_at) in rows {
             let (Ok(user), Some(Ok(state)), Some(version)) =
                 (UserId::parse(&user), state.map(|s| s.parse()), version)
             else {
                 continue;
             };
-            out.push((user, Current { state, version }));
+            out.push((
+                user,
+                Counted {
+                    current: Current { state, version },
+                    updated_at_ms: updated_at.map(|t| t.0),
+                },
+            ));
         }
         Ok(out)
     }
+}
+
+/// user_id, state, version, updated_at.
+type ByTargetRow = (String, Option<String>, Option<i64>, Option<CqlTimestamp>);
+
+/// A row as reconcile reads it: the reaction, and when it last changed
+/// (none for a row written without it, which counts as long ago).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    pub current: Current,
+    pub updated_at_ms: Option<i64>,
 }
 
 /// The columns of an idempotency record.
