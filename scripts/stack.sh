@@ -11,6 +11,15 @@
 #                             stop one server this script started and start it again (fault injection)
 #   scripts/stack.sh stop|start cassandra|kafka|redis
 #                             stop one server, or start it again (an outage of a chosen length)
+#   scripts/stack.sh pid SERVER
+#                             print the pid of one server this script started (for kill -9, SIGSTOP)
+#
+#   scripts/stack.sh up --cluster
+#                             three Cassandra nodes (RF=3 keyspaces, dc1) and three KRaft brokers on
+#                             127.0.0.1, 127.0.0.2 and 127.0.0.3, same ports on each address, and one
+#                             Redis; the servers are named cassandra1..3 and kafka1..3. Once up, the
+#                             other commands act on the cluster until `down`. Linux routes all of
+#                             127.0.0.0/8 to the loopback interface, so no setup is needed.
 #
 # Cassandra and Kafka come from Maven Central (scripts/stack/*/pom.xml); Redis
 # from Debian's redis-server package. State lives under $TALLY_STACK_DIR
@@ -24,6 +33,11 @@ LOGS="$STACK/logs"
 RUN="$STACK/run"
 CASSANDRA_HEAP=${TALLY_CASSANDRA_HEAP:-1G}
 KAFKA_HEAP=${TALLY_KAFKA_HEAP:-512M}
+# Three of each share 2 cores and the memory: smaller heaps per node.
+CLUSTER_CASSANDRA_HEAP=${TALLY_CLUSTER_CASSANDRA_HEAP:-512M}
+CLUSTER_KAFKA_HEAP=${TALLY_CLUSTER_KAFKA_HEAP:-384M}
+# Which stack `up` last started: single or cluster.
+MODE_FILE="$RUN/mode"
 # Seconds to wait for each server to answer after starting it.
 START_TIMEOUT=${TALLY_STACK_START_TIMEOUT:-240}
 
@@ -133,12 +147,31 @@ spawn() {
 
 # The servers, one per line: name, the pattern its command line matches
 # (to tell our process from a reused pid), the protocol probe.py speaks to
-# it, and its port on 127.0.0.1. Every command below walks this table.
-SERVERS="
-redis     redis-server     redis  6379
-kafka     kafka.Kafka      kafka  9092
-cassandra CassandraDaemon  cql    9042
+# it, its address and port. Every command below walks one of these tables.
+SINGLE_SERVERS="
+redis      redis-server     redis  127.0.0.1  6379
+kafka      kafka.Kafka      kafka  127.0.0.1  9092
+cassandra  CassandraDaemon  cql    127.0.0.1  9042
 "
+CLUSTER_SERVERS="
+redis      redis-server     redis  127.0.0.1  6379
+kafka1     kafka.Kafka      kafka  127.0.0.1  9092
+kafka2     kafka.Kafka      kafka  127.0.0.2  9092
+kafka3     kafka.Kafka      kafka  127.0.0.3  9092
+cassandra1 CassandraDaemon  cql    127.0.0.1  9042
+cassandra2 CassandraDaemon  cql    127.0.0.2  9042
+cassandra3 CassandraDaemon  cql    127.0.0.3  9042
+"
+SERVERS=$SINGLE_SERVERS
+
+mode() { if [ -f "$MODE_FILE" ]; then cat "$MODE_FILE"; else echo single; fi; }
+use_mode() {
+    case "$1" in
+        single) SERVERS=$SINGLE_SERVERS ;;
+        cluster) SERVERS=$CLUSTER_SERVERS ;;
+        *) die "unknown stack mode $1" ;;
+    esac
+}
 
 # Prints the table row of one server, or dies.
 server_row() {
@@ -151,26 +184,44 @@ server_row() {
 # Starts one server unless it (or a foreign one on its port) already runs,
 # then waits until it answers its own protocol.
 start() {
-    local name pattern kind port
-    read -r name pattern kind port <<<"$(server_row "$1")"
-    if running "$name" "$pattern"; then
-        log "$name already running (pid $(pid_of "$name"))"
-    elif probe "$kind" 127.0.0.1 "$port"; then
-        log "a $name not started by this script answers on 127.0.0.1:$port; using it"
-        return 0
-    else
-        "launch_$name"
-    fi
-    wait_until "$name on 127.0.0.1:$port" "$name" "$kind" 127.0.0.1 "$port"
+    launch_unless_running "$1" || return 0
+    await "$1"
 }
 
-launch_cassandra() {
-    fetch_libs cassandra
-    mkdir -p "$STACK/cassandra/data"
-    log "starting cassandra (heap $CASSANDRA_HEAP), log $LOGS/cassandra.log"
-    # JVM flags follow Cassandra's own conf/jvm17-server.options.
-    spawn cassandra "$JAVA_HOME/bin/java" \
-        -Xms"$CASSANDRA_HEAP" -Xmx"$CASSANDRA_HEAP" -Xss256k \
+# Launches one server unless it (or a foreign one on its port) already runs;
+# returns 1 when a foreign one answers (nothing of ours to wait for).
+launch_unless_running() {
+    local name pattern kind host port
+    read -r name pattern kind host port <<<"$(server_row "$1")"
+    if running "$name" "$pattern"; then
+        log "$name already running (pid $(pid_of "$name"))"
+    elif probe "$kind" "$host" "$port"; then
+        log "a $name not started by this script answers on $host:$port; using it"
+        return 1
+    else
+        case "$name" in
+            cassandra[1-3]) launch_cassandra_node "$name" "$host" "${name#cassandra}" ;;
+            kafka[1-3]) launch_kafka_node "$name" "$host" "${name#kafka}" ;;
+            *) "launch_$name" ;;
+        esac
+    fi
+}
+
+await() {
+    local name pattern kind host port
+    read -r name pattern kind host port <<<"$(server_row "$1")"
+    wait_until "$name on $host:$port" "$name" "$kind" "$host" "$port"
+}
+
+# The JVM command of one Cassandra node: $1 its name, $2 its heap, $3 its
+# cassandra.yaml, $4 a folder put first on the class path (rack and DC
+# properties), then any extra -D flags. Flags follow Cassandra's own
+# conf/jvm17-server.options.
+cassandra_jvm() {
+    local name=$1 heap=$2 yaml=$3 conf=$4
+    shift 4
+    spawn "$name" "$JAVA_HOME/bin/java" \
+        -Xms"$heap" -Xmx"$heap" -Xss256k \
         -XX:+UseG1GC -XX:+ParallelRefProcEnabled -XX:MaxTenuringThreshold=1 \
         -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
         -XX:+ExitOnOutOfMemoryError -XX:+PerfDisableSharedMem -XX:+UseTLAB -XX:+ResizeTLAB \
@@ -200,33 +251,93 @@ launch_cassandra() {
         --add-opens java.base/java.util=ALL-UNNAMED \
         -Dio.netty.tryReflectionSetAccessible=true \
         -Dio.netty.allocator.useCacheForAllThreads=true -Dio.netty.allocator.maxOrder=11 \
-        -Dcassandra.config="file://$CONF/cassandra/cassandra.yaml" \
-        -Dcassandra.storagedir="$STACK/cassandra/data" \
-        -Dcassandra.logdir="$LOGS" \
+        -Dcassandra.config="file://$yaml" \
+        -Dcassandra.storagedir="$STACK/$name/data" \
+        -Dcassandra.logdir="$LOGS/$name" \
         -Dlogback.configurationFile="$CONF/cassandra/logback.xml" \
         -Dcassandra-foreground=yes \
         -Dcassandra.skip_wait_for_gossip_to_settle=0 \
         -Dcassandra.ring_delay_ms=100 \
         -Dcassandra.superuser_setup_delay_ms=0 \
-        -cp "$STACK/lib/cassandra/*" org.apache.cassandra.service.CassandraDaemon
+        "$@" \
+        -cp "$conf:$STACK/lib/cassandra/*" org.apache.cassandra.service.CassandraDaemon
+}
+
+launch_cassandra() {
+    fetch_libs cassandra
+    mkdir -p "$STACK/cassandra/data" "$LOGS/cassandra" "$STACK/cassandra/conf"
+    log "starting cassandra (heap $CASSANDRA_HEAP), log $LOGS/cassandra/cassandra.log"
+    cassandra_jvm cassandra "$CASSANDRA_HEAP" "$CONF/cassandra/cassandra.yaml" "$STACK/cassandra/conf"
+}
+
+# Node $3 (1-3) of the cluster on address $2: its own yaml (address, token,
+# the three seeds, a snitch that reads its DC), its own data, logs and JMX
+# port. Tokens split the ring evenly, so the nodes can start together.
+launch_cassandra_node() {
+    local name=$1 host=$2 n=$3 dir="$STACK/$1"
+    local tokens=(-9223372036854775808 -3074457345618258603 3074457345618258602)
+    fetch_libs cassandra
+    mkdir -p "$dir/data" "$dir/conf" "$LOGS/$name"
+    sed -e "s/^listen_address: .*/listen_address: $host/" \
+        -e "s/^rpc_address: .*/rpc_address: $host/" \
+        -e "s/^initial_token: .*/initial_token: ${tokens[$((n - 1))]}/" \
+        -e 's/- seeds: .*/- seeds: "127.0.0.1:7000,127.0.0.2:7000,127.0.0.3:7000"/' \
+        -e "s/^endpoint_snitch: .*/endpoint_snitch: GossipingPropertyFileSnitch/" \
+        "$CONF/cassandra/cassandra.yaml" >"$dir/cassandra.yaml"
+    printf 'dc=dc1\nrack=rack%s\n' "$n" >"$dir/conf/cassandra-rackdc.properties"
+    log "starting $name on $host (heap $CLUSTER_CASSANDRA_HEAP), log $LOGS/$name/cassandra.log"
+    cassandra_jvm "$name" "$CLUSTER_CASSANDRA_HEAP" "$dir/cassandra.yaml" "$dir/conf" \
+        -Dcassandra.jmx.local.port=$((7199 + n))
+}
+
+# Formats a broker's storage once, then starts it: $1 name, $2 properties
+# (log.dirs appended here), $3 heap, $4 the cluster id to format with.
+kafka_jvm() {
+    local name=$1 base=$2 heap=$3 cluster_id=$4
+    local data="$STACK/$name/data" props="$STACK/$name/server.properties"
+    mkdir -p "$data" "$LOGS/$name"
+    { cat "$base"; echo "log.dirs=$data"; } >"$props"
+    local java=("$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*"
+        -Dlog4j2.configurationFile="$CONF/kafka/log4j2.xml" -Dkafka.logs.dir="$LOGS/$name")
+    if [ ! -f "$data/meta.properties" ]; then
+        "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" \
+            >>"$LOGS/$name/format.log" 2>&1 || die "formatting $name storage failed, see $LOGS/$name/format.log"
+    fi
+    log "starting $name (heap $heap), log $LOGS/$name/kafka.log"
+    spawn "$name" "${java[0]}" -Xms"$heap" -Xmx"$heap" -XX:+UseG1GC \
+        -Djava.awt.headless=true "${java[@]:1}" kafka.Kafka "$props"
 }
 
 launch_kafka() {
     fetch_libs kafka
-    local data="$STACK/kafka/data" props="$STACK/kafka/server.properties"
-    mkdir -p "$data"
-    { cat "$CONF/kafka/server.properties"; echo "log.dirs=$data"; } >"$props"
-    local java=("$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*"
-        -Dlog4j2.configurationFile="$CONF/kafka/log4j2.xml" -Dkafka.logs.dir="$LOGS")
-    if [ ! -f "$data/meta.properties" ]; then
-        local cluster_id
-        cluster_id=$("${java[@]}" kafka.tools.StorageTool random-uuid 2>>"$LOGS/kafka-format.log")
-        "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" \
-            >>"$LOGS/kafka-format.log" 2>&1 || die "formatting kafka storage failed, see $LOGS/kafka-format.log"
+    kafka_jvm kafka "$CONF/kafka/server.properties" "$KAFKA_HEAP" "$(kafka_cluster_id kafka)"
+}
+
+# Broker $3 (1-3) of the cluster on address $2; all three are controllers.
+launch_kafka_node() {
+    local name=$1 host=$2 n=$3 base="$STACK/$1/base.properties"
+    fetch_libs kafka
+    mkdir -p "$STACK/$name"
+    sed -e "s/^node.id=.*/node.id=$n/" \
+        -e "s/^controller.quorum.voters=.*/controller.quorum.voters=1@127.0.0.1:9093,2@127.0.0.2:9093,3@127.0.0.3:9093/" \
+        -e "s#^listeners=.*#listeners=PLAINTEXT://$host:9092,CONTROLLER://$host:9093#" \
+        -e "s#^advertised.listeners=.*#advertised.listeners=PLAINTEXT://$host:9092#" \
+        -e "s/replication.factor=1/replication.factor=3/" \
+        -e "s/min.isr=1/min.isr=2/" \
+        "$CONF/kafka/server.properties" >"$base"
+    printf 'default.replication.factor=3\nmin.insync.replicas=2\n' >>"$base"
+    kafka_jvm "$name" "$base" "$CLUSTER_KAFKA_HEAP" "$(kafka_cluster_id cluster)"
+}
+
+# One id per Kafka cluster, made once: the three brokers must share it.
+kafka_cluster_id() {
+    local file="$STACK/kafka-$1.id"
+    if [ ! -s "$file" ]; then
+        mkdir -p "$LOGS"
+        "$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*" kafka.tools.StorageTool random-uuid \
+            >"$file" 2>>"$LOGS/kafka-format.log" || die "no kafka cluster id, see $LOGS/kafka-format.log"
     fi
-    log "starting kafka (heap $KAFKA_HEAP), log $LOGS/kafka.log"
-    spawn kafka "${java[0]}" -Xms"$KAFKA_HEAP" -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
-        -Djava.awt.headless=true "${java[@]:1}" kafka.Kafka "$props"
+    cat "$file"
 }
 
 launch_redis() {
@@ -258,9 +369,9 @@ stop_one() {
 }
 
 status_one() {
-    local name=$1 pattern=$2 kind=$3 port=$4 state answers
+    local name=$1 pattern=$2 kind=$3 host=$4 port=$5 state answers
     if running "$name" "$pattern"; then state="running (pid $(pid_of "$name"))"; else state="not started by this script"; fi
-    if probe "$kind" 127.0.0.1 "$port"; then answers="answers on 127.0.0.1:$port"; else answers="no answer on 127.0.0.1:$port"; fi
+    if probe "$kind" "$host" "$port"; then answers="answers on $host:$port"; else answers="no answer on $host:$port"; fi
     printf '%-10s %-32s %s\n' "$name" "$state" "$answers"
 }
 
@@ -270,7 +381,8 @@ each_server() {
 
 main() {
     mkdir -p "$LOGS" "$RUN"
-    local name pattern kind port
+    local name pattern kind host port
+    use_mode "$(mode)"
     case "${1:-}" in
         install)
             ensure_packages
@@ -278,25 +390,43 @@ main() {
             fetch_libs kafka
             ;;
         up)
+            local want=single
+            [ "${2:-}" = --cluster ] && want=cluster
+            if [ "$(mode)" != "$want" ] && any_running; then
+                die "the $(mode) stack is running; run '$0 down' first (both use 127.0.0.1:9042 and :9092)"
+            fi
+            use_mode "$want"
+            echo "$want" >"$MODE_FILE"
             ensure_packages
-            for name in $(each_server); do start "$name"; done
-            log "stack is up: cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (logs in $LOGS)"
+            # Launch everything first, then wait: the JVMs start side by side.
+            local launched=()
+            for name in $(each_server); do
+                if launch_unless_running "$name"; then launched+=("$name"); fi
+            done
+            for name in "${launched[@]}"; do await "$name"; done
+            if [ "$want" = cluster ]; then
+                log "cluster is up: cassandra and kafka on 127.0.0.1-3 (:9042, :9092), redis 127.0.0.1:6379 (logs in $LOGS)"
+            else
+                log "stack is up: cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (logs in $LOGS)"
+            fi
             ;;
         down)
             for name in $(each_server | tac); do
-                read -r name pattern kind port <<<"$(server_row "$name")"
+                read -r name pattern kind host port <<<"$(server_row "$name")"
                 stop_one "$name" "$pattern"
             done
+            rm -f "$MODE_FILE"
             ;;
         status)
+            echo "mode: $(mode)"
             for name in $(each_server | tac); do
-                read -r name pattern kind port <<<"$(server_row "$name")"
-                status_one "$name" "$pattern" "$kind" "$port"
+                read -r name pattern kind host port <<<"$(server_row "$name")"
+                status_one "$name" "$pattern" "$kind" "$host" "$port"
             done
             ;;
         stop)
             [ -n "${2:-}" ] || { echo "usage: $0 stop $(each_server | paste -sd'|')" >&2; exit 2; }
-            read -r name pattern kind port <<<"$(server_row "$2")"
+            read -r name pattern kind host port <<<"$(server_row "$2")"
             stop_one "$name" "$pattern"
             ;;
         start)
@@ -306,20 +436,36 @@ main() {
             ;;
         restart)
             [ -n "${2:-}" ] || { echo "usage: $0 restart $(each_server | paste -sd'|')" >&2; exit 2; }
-            read -r name pattern kind port <<<"$(server_row "$2")"
+            read -r name pattern kind host port <<<"$(server_row "$2")"
             ensure_packages
             stop_one "$name" "$pattern"
             start "$name"
+            ;;
+        pid)
+            [ -n "${2:-}" ] || { echo "usage: $0 pid $(each_server | paste -sd'|')" >&2; exit 2; }
+            read -r name pattern kind host port <<<"$(server_row "$2")"
+            running "$name" "$pattern" || die "$name is not running"
+            pid_of "$name"
             ;;
         logs)
             echo "$LOGS"
             ls -1 "$LOGS"
             ;;
         *)
-            echo "usage: $0 install|up|down|status|logs|start|stop|restart SERVER" >&2
+            echo "usage: $0 install|up [--cluster]|down|status|logs|start|stop|restart|pid SERVER" >&2
             exit 2
             ;;
     esac
+}
+
+# True when any server of the current mode's table runs.
+any_running() {
+    local name pattern kind host port
+    for name in $(each_server); do
+        read -r name pattern kind host port <<<"$(server_row "$name")"
+        running "$name" "$pattern" && return 0
+    done
+    return 1
 }
 
 main "$@"
