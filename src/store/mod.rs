@@ -1,6 +1,7 @@
 //! The only code that speaks CQL. Every statement is prepared once, when a
-//! `Store` is built, with its consistency chosen here:
-//! LOCAL_QUORUM for reads and writes, LOCAL_SERIAL for conditions.
+//! `Store` is built, with its consistency chosen here (`Levels`):
+//! LOCAL_QUORUM for reads and writes, LOCAL_SERIAL for conditions, or with
+//! `--serial-consistency serial`, QUORUM and SERIAL across every DC.
 
 pub mod migrate;
 pub mod outbox;
@@ -46,6 +47,55 @@ pub struct CassandraConfig {
         default_value_t = 5000
     )]
     pub request_timeout_ms: u64,
+
+    /// Where a vote's lightweight transaction is linearizable: `local-serial`
+    /// within the local datacenter (users homed to one region), or `serial`
+    /// across every datacenter, at cross-region latency.
+    #[arg(
+        long = "serial-consistency",
+        env = "TALLY_SERIAL_CONSISTENCY",
+        value_enum,
+        default_value_t = SerialScope::LocalSerial
+    )]
+    pub serial: SerialScope,
+}
+
+/// The two ways tally can run Paxos; see `--serial-consistency`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SerialScope {
+    #[default]
+    LocalSerial,
+    Serial,
+}
+
+/// The consistency levels every statement is prepared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Levels {
+    /// Plain reads and writes, and the commit of a conditional write.
+    pub quorum: Consistency,
+    /// The Paxos phase of a conditional write.
+    pub serial: SerialConsistency,
+    /// A read that completes any Paxos round in flight.
+    pub serial_read: Consistency,
+}
+
+impl SerialScope {
+    pub fn levels(self) -> Levels {
+        match self {
+            SerialScope::LocalSerial => Levels {
+                quorum: Consistency::LocalQuorum,
+                serial: SerialConsistency::LocalSerial,
+                serial_read: Consistency::LocalSerial,
+            },
+            // A quorum of every replica, so a plain read in any region sees
+            // what a Paxos round committed in another.
+            SerialScope::Serial => Levels {
+                quorum: Consistency::Quorum,
+                serial: SerialConsistency::Serial,
+                serial_read: Consistency::Serial,
+            },
+        }
+    }
 }
 
 fn parse_keyspace(s: &str) -> Result<String, String> {
@@ -59,6 +109,7 @@ impl CassandraConfig {
             keyspace: keyspace.into(),
             local_dc: None,
             request_timeout_ms: 5000,
+            serial: SerialScope::LocalSerial,
         }
     }
 }
@@ -72,13 +123,14 @@ pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
             .prefer_datacenter(dc.clone())
             .permit_dc_failover(false);
     }
+    let levels = config.serial.levels();
     let profile = ExecutionProfile::builder()
-        .consistency(Consistency::LocalQuorum)
-        .serial_consistency(Some(SerialConsistency::LocalSerial))
+        .consistency(levels.quorum)
+        .serial_consistency(Some(levels.serial))
         .request_timeout(Some(Duration::from_millis(config.request_timeout_ms)))
         .load_balancing_policy(policy.build())
         .build();
-    SessionBuilder::new()
+    let session = SessionBuilder::new()
         .known_nodes(&config.nodes)
         .default_execution_profile_handle(profile.into_handle())
         .build()
@@ -88,7 +140,36 @@ pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
                 "Failed to connect to Cassandra at {}",
                 config.nodes.join(",")
             )
-        })
+        })?;
+    let datacenters: Vec<String> = session
+        .get_cluster_state()
+        .get_nodes_info()
+        .iter()
+        .filter_map(|n| n.datacenter.clone())
+        .collect();
+    check_local_dc(&datacenters, config.local_dc.as_deref())?;
+    Ok(session)
+}
+
+/// LOCAL_QUORUM and LOCAL_SERIAL are relative to the coordinator's
+/// datacenter. With more than one, "local" must be named, or it means
+/// whichever coordinator the driver happened to pick, and two requests of
+/// one user could run Paxos in two regions.
+pub fn check_local_dc(datacenters: &[String], local_dc: Option<&str>) -> anyhow::Result<()> {
+    let mut known: Vec<&str> = datacenters.iter().map(String::as_str).collect();
+    known.sort_unstable();
+    known.dedup();
+    match local_dc {
+        None if known.len() > 1 => anyhow::bail!(
+            "the cluster spans datacenters {}: name this region's with --cassandra-local-dc",
+            known.join(", ")
+        ),
+        Some(dc) if !known.is_empty() && !known.contains(&dc) => anyhow::bail!(
+            "--cassandra-local-dc {dc} names no datacenter of the cluster (it has {})",
+            known.join(", ")
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Opens a session on the configured keyspace.
@@ -273,16 +354,51 @@ impl Store {
     pub async fn open(config: &CassandraConfig, key_ttl: Duration) -> anyhow::Result<Store> {
         let session = Arc::new(connect_keyspace(config).await?);
         let ttl = i32::try_from(key_ttl.as_secs()).unwrap_or(i32::MAX).max(1);
+        let levels = config.serial.levels();
         Ok(Store {
-            reactions: reactions::Reactions::prepare(session.clone(), ttl).await?,
-            stats: stats::Stats::prepare(session.clone()).await?,
+            reactions: reactions::Reactions::prepare(session.clone(), ttl, levels).await?,
+            stats: stats::Stats::prepare(session.clone(), levels).await?,
             targets: targets::Targets::prepare(session.clone()).await?,
-            outbox: outbox::Outbox::prepare(session.clone(), ttl).await?,
+            outbox: outbox::Outbox::prepare(session.clone(), ttl, levels).await?,
             ping: session
                 .prepare("SELECT release_version FROM system.local")
                 .await
                 .context("prepare ping")?,
             session,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_local_dc;
+
+    fn dcs(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn one_datacenter_needs_no_name() {
+        assert!(check_local_dc(&dcs(&["dc1", "dc1", "dc1"]), None).is_ok());
+        assert!(check_local_dc(&dcs(&["dc1"]), Some("dc1")).is_ok());
+    }
+
+    #[test]
+    fn several_datacenters_refuse_to_start_without_the_local_one() {
+        let two = dcs(&["eu", "us", "eu"]);
+        let refused = check_local_dc(&two, None).map_err(|e| e.to_string());
+        assert_eq!(
+            refused,
+            Err(
+                "the cluster spans datacenters eu, us: name this region's with --cassandra-local-dc"
+                    .to_owned()
+            )
+        );
+        assert!(check_local_dc(&two, Some("us")).is_ok());
+    }
+
+    #[test]
+    fn a_local_datacenter_the_cluster_lacks_is_refused() {
+        assert!(check_local_dc(&dcs(&["dc1"]), Some("dc2")).is_err());
     }
 }

@@ -13,7 +13,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use scylla::client::session::Session;
-use scylla::statement::Consistency;
 use scylla::statement::prepared::PreparedStatement;
 
 use super::StoreError;
@@ -75,7 +74,11 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    pub async fn prepare(session: Arc<Session>, ttl_secs: i32) -> anyhow::Result<Outbox> {
+    pub async fn prepare(
+        session: Arc<Session>,
+        ttl_secs: i32,
+        levels: super::Levels,
+    ) -> anyhow::Result<Outbox> {
         let mut intend = session
             .prepare(
                 "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
@@ -84,7 +87,7 @@ impl Outbox {
             .await
             .context("prepare intent")?;
         // The intent must outlive a crash right after the vote commits.
-        intend.set_consistency(Consistency::LocalQuorum);
+        intend.set_consistency(levels.quorum);
         let resolve = session
             .prepare(
                 "UPDATE outbox_intents USING TTL ? SET resolved = true \

@@ -9,7 +9,6 @@ use anyhow::Context;
 use scylla::client::session::Session;
 use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
-use scylla::statement::{Consistency, SerialConsistency};
 use scylla::value::CqlTimestamp;
 use uuid::Uuid;
 
@@ -89,7 +88,11 @@ pub struct Reactions {
 }
 
 impl Reactions {
-    pub async fn prepare(session: Arc<Session>, key_ttl_secs: i32) -> anyhow::Result<Reactions> {
+    pub async fn prepare(
+        session: Arc<Session>,
+        key_ttl_secs: i32,
+        levels: super::Levels,
+    ) -> anyhow::Result<Reactions> {
         const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, \
              response_status, response_body, transition, intent_bucket FROM reactions \
              WHERE user_id = ? AND target_id IN (?, ?)";
@@ -103,7 +106,7 @@ impl Reactions {
             .prepare(SNAPSHOT)
             .await
             .context("prepare serial snapshot")?;
-        snapshot_serial.set_consistency(Consistency::LocalSerial);
+        snapshot_serial.set_consistency(levels.serial_read);
         let mut record_serial = session
             .prepare(
                 "SELECT request_hash, request_owner, response_status, response_body, transition, \
@@ -111,7 +114,7 @@ impl Reactions {
             )
             .await
             .context("prepare serial record")?;
-        record_serial.set_consistency(Consistency::LocalSerial);
+        record_serial.set_consistency(levels.serial_read);
 
         let states = session
             .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
@@ -155,8 +158,8 @@ impl Reactions {
             let mut b = Batch::new(BatchType::Unlogged);
             b.append_statement(change.clone());
             b.append_statement(record_only.clone());
-            b.set_consistency(Consistency::LocalQuorum);
-            b.set_serial_consistency(Some(SerialConsistency::LocalSerial));
+            b.set_consistency(levels.quorum);
+            b.set_serial_consistency(Some(levels.serial));
             b
         };
         Ok(Reactions {

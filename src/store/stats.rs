@@ -13,7 +13,6 @@ use scylla::serialize::value::SerializeValue;
 use scylla::serialize::writers::RowWriter;
 use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
-use scylla::statement::{Consistency, SerialConsistency};
 use scylla::value::{CqlValue, MaybeUnset};
 
 use super::{Cas, StoreError, classify};
@@ -55,6 +54,7 @@ pub struct FencedWrite<'a> {
 }
 
 pub struct Stats {
+    levels: super::Levels,
     session: Arc<Session>,
     head: PreparedStatement,
     head_serial: PreparedStatement,
@@ -67,7 +67,7 @@ pub struct Stats {
 type AppliedRow = (Option<String>, Option<i64>, Option<String>);
 
 impl Stats {
-    pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Stats> {
+    pub async fn prepare(session: Arc<Session>, levels: super::Levels) -> anyhow::Result<Stats> {
         // One column per counted reaction, named after its total.
         let totals = Reaction::total_names().collect::<Vec<_>>();
         // Only static columns: LIMIT 1 returns the partition's one value.
@@ -83,7 +83,7 @@ impl Stats {
             .prepare(head_cql.as_str())
             .await
             .context("prepare serial head")?;
-        head_serial.set_consistency(Consistency::LocalSerial);
+        head_serial.set_consistency(levels.serial_read);
         let applied_of = session
             .prepare(
                 "SELECT user_id, applied_version, applied_state FROM target_stats \
@@ -114,6 +114,7 @@ impl Stats {
             .await
             .context("prepare user write")?;
         Ok(Stats {
+            levels,
             session,
             head,
             head_serial,
@@ -181,8 +182,8 @@ impl Stats {
     /// the partition's `seq`.
     pub async fn write(&self, target: &TargetId, w: &FencedWrite<'_>) -> Cas {
         let mut batch = Batch::new(BatchType::Unlogged);
-        batch.set_consistency(Consistency::LocalQuorum);
-        batch.set_serial_consistency(Some(SerialConsistency::LocalSerial));
+        batch.set_consistency(self.levels.quorum);
+        batch.set_serial_consistency(Some(self.levels.serial));
         batch.append_statement(self.write_head.clone());
         let kind = match w.target_type {
             Some(t) => MaybeUnset::Set(t.as_str()),
