@@ -26,7 +26,7 @@ use crate::domain::{
     Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId,
 };
 use crate::store::outbox::Slot;
-use crate::store::reactions::{Change, KeyRecord};
+use crate::store::reactions::{Change, KeyRecord, Snapshot};
 use crate::store::{Cas, Store, StoreError};
 
 /// One parsed vote.
@@ -180,16 +180,19 @@ impl Caster {
         let mut intent: Option<Slot> = None;
 
         for n in 0..=self.config.max_attempts {
-            let snap = match self
-                .store
-                .reactions
-                .snapshot(user, &vote.target_id, key, serial)
-                .await
-            {
-                Ok(snap) => snap,
-                Err(e) if unknown => return Err(CastError::OutcomeUnknown(e)),
-                Err(e) => return Err(e.into()),
+            let snap = if unknown {
+                self.learn_outcome(user, &vote.target_id, key, started)
+                    .await?
+            } else {
+                self.store
+                    .reactions
+                    .snapshot(user, &vote.target_id, key, serial)
+                    .await?
             };
+            if unknown {
+                let applied = snap.record.as_ref().is_some_and(|r| r.owner == owner);
+                crate::metrics::unknown_resolved(if applied { "applied" } else { "not_applied" });
+            }
 
             if let Some(record) = snap.record {
                 if record.owner == owner {
@@ -299,6 +302,35 @@ impl Caster {
             .await;
         }
         Err(CastError::Contention)
+    }
+
+    /// After a conditional write whose outcome is unknown, reads at SERIAL
+    /// until the read answers or the vote's deadline passes. A SERIAL read
+    /// completes any Paxos round in flight, so its answer is final; it fails
+    /// only while no quorum answers (a replica paused or cut off), which is
+    /// often shorter than the deadline.
+    async fn learn_outcome(
+        &self,
+        user: &UserId,
+        target: &TargetId,
+        key: &IdempotencyKey,
+        started: Instant,
+    ) -> Result<Snapshot, CastError> {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.store.reactions.snapshot(user, target, key, true).await {
+                Ok(snap) => return Ok(snap),
+                Err(e) if started.elapsed() + pause >= self.config.deadline => {
+                    crate::metrics::unknown_resolved("unresolved");
+                    return Err(CastError::OutcomeUnknown(e));
+                }
+                Err(e) => {
+                    tracing::warn!(user = %user, target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "SERIAL read failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
     }
 
     /// Moves the cache and publishes, in a task of its own. The answer waits

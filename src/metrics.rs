@@ -21,6 +21,9 @@ pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
 pub const CAS: &str = "tally_cas_total";
+/// Votes whose conditional write timed out, by what the SERIAL read after
+/// it found: applied, not_applied, or unresolved (the read kept failing).
+pub const UNKNOWN_RESOLVED: &str = "tally_unknown_outcomes_total";
 /// Signal 6: drift found and repaired by reconcile.
 pub const DRIFT_FOUND: &str = "tally_reconcile_drift_found_total";
 pub const DRIFT_REPAIRED: &str = "tally_reconcile_drift_repaired_total";
@@ -153,6 +156,15 @@ fn describe() {
     );
     describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
     describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
+    describe_counter!(
+        UNKNOWN_RESOLVED,
+        "votes whose conditional write timed out, by what the SERIAL read found"
+    );
+}
+
+/// Counts how an unknown outcome of a vote ended.
+pub fn unknown_resolved(resolution: &'static str) {
+    metrics::counter!(UNKNOWN_RESOLVED, "resolved" => resolution).increment(1);
 }
 
 /// Counts a conditional write's outcome.

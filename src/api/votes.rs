@@ -36,16 +36,28 @@ pub async fn cast(
         .limiter
         .check(&caller.user)
         .map_err(ApiError::RateLimited)?;
-    let _permit = state
-        .in_flight
-        .try_acquire()
-        .map_err(|_| ApiError::Overloaded)?;
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;
-    let answer = state
-        .caster
-        .cast(&caller.user, &key, &vote, &request_id.0)
-        .await?;
+    // The vote runs in a task of its own: a client that hangs up (actix
+    // then drops this handler) cannot stop it between a conditional write
+    // whose outcome is unknown and the SERIAL read that learns it. The
+    // task holds the in-flight permit until it ends, within its deadline.
+    let task = state.clone();
+    let (user, request_id) = (caller.user, request_id.0.clone());
+    let answer = tokio::spawn(async move {
+        let _permit = task
+            .in_flight
+            .try_acquire()
+            .map_err(|_| ApiError::Overloaded)?;
+        task.caster
+            .cast(&user, &key, &vote, &request_id)
+            .await
+            .map_err(ApiError::from)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::Unavailable(anyhow::Error::new(e).context("the vote's task failed"))
+    })??;
     let status = StatusCode::from_u16(answer.status).map_err(|e| {
         ApiError::Unavailable(anyhow::Error::new(e).context("a stored answer has a bad status"))
     })?;
