@@ -85,6 +85,8 @@ ensure_packages() {
     command -v cmake >/dev/null || missing+=(cmake)
     command -v c++ >/dev/null || missing+=(g++)
     command -v make >/dev/null || missing+=(make)
+    # The cluster run cuts loopback links between nodes with iptables.
+    command -v iptables >/dev/null || missing+=(iptables)
     [ -e /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -e /usr/include/curl/curl.h ] \
         || [ -e /usr/include/aarch64-linux-gnu/curl/curl.h ] || missing+=(libcurl4-openssl-dev)
     if [ "${#missing[@]}" -gt 0 ]; then

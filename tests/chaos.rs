@@ -16,11 +16,11 @@
 mod support;
 
 use std::collections::{BTreeMap, HashMap};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::{JWT_SECRET, Tally, TestEnv, Zipf, eventually, token};
+use support::{JWT_SECRET, Proc, Tally, TestEnv, Zipf, eventually, free_port, token};
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -36,29 +36,6 @@ fn root() -> std::path::PathBuf {
         || env!("CARGO_MANIFEST_DIR").into(),
         std::path::PathBuf::from,
     )
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A child process of ours, killed when dropped.
-struct Proc(Child);
-
-impl Proc {
-    fn kill9(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
 }
 
 struct Services {

@@ -23,6 +23,13 @@ pub fn skip_message(bench: &str) {
     eprintln!("{bench}: the local stack is not up; start it with `scripts/stack.sh up`. Skipping.");
 }
 
+/// With TALLY_BENCH_CLUSTER=1, the benches run on the three-node cluster of
+/// `scripts/stack.sh up --cluster` (RF 3 in dc1, topics at RF 3): the same
+/// write path, its cost on replicas.
+pub fn on_cluster() -> bool {
+    std::env::var("TALLY_BENCH_CLUSTER").is_ok_and(|v| v == "1")
+}
+
 /// A bench's own keyspace and topics, made with the product's migrate.
 pub struct BenchEnv {
     pub cassandra: CassandraConfig,
@@ -32,16 +39,25 @@ pub struct BenchEnv {
 
 pub async fn bench_env(name: &str, partitions: i32) -> BenchEnv {
     let id = format!("{name}_{}", std::process::id());
-    let cassandra = CassandraConfig::local(&format!("b_{id}"));
-    let kafka = KafkaConfig::local(&format!("b-{id}-transitions"));
+    let mut cassandra = CassandraConfig::local(&format!("b_{id}"));
+    let mut kafka = KafkaConfig::local(&format!("b-{id}-transitions"));
     let redis = RedisConfig::local(&format!("b-{id}"));
+    let (replication, topic_replication) = if on_cluster() {
+        let hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"];
+        cassandra.nodes = hosts.map(|h| format!("{h}:9042")).to_vec();
+        cassandra.local_dc = Some("dc1".into());
+        kafka.brokers = hosts.map(|h| format!("{h}:9092")).join(",");
+        (Replication::NetworkTopology(vec![("dc1".into(), 3)]), 3)
+    } else {
+        (Replication::Simple(1), 1)
+    };
     let session = store::connect(&cassandra)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
-    store::migrate::run(&session, &cassandra.keyspace, &Replication::Simple(1))
+    store::migrate::run(&session, &cassandra.keyspace, &replication)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
-    tally::bus::admin::ensure_topics(&kafka, partitions, 1)
+    tally::bus::admin::ensure_topics(&kafka, partitions, topic_replication)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
     BenchEnv {

@@ -22,22 +22,49 @@ pub struct TestEnv {
     pub session: Session,
 }
 
+/// The addresses of the cluster `scripts/stack.sh up --cluster` starts.
+pub const CLUSTER_HOSTS: [&str; 3] = ["127.0.0.1", "127.0.0.2", "127.0.0.3"];
+
 impl TestEnv {
+    /// On the single-node stack (`scripts/stack.sh up`).
     pub async fn new() -> TestEnv {
-        if std::env::var_os("TEST_LOG").is_some() {
-            tally::telemetry::init(tally::telemetry::LogFormat::Human);
-        }
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let cassandra = CassandraConfig::local(&format!("t_{id}"));
         let kafka = KafkaConfig::local(&format!("t-{id}-transitions"));
+        TestEnv::create(id, cassandra, kafka, Replication::Simple(1), 1).await
+    }
+
+    /// On the three-node cluster (`scripts/stack.sh up --cluster`): the
+    /// keyspace at NetworkTopologyStrategy dc1:3, topics at RF 3.
+    pub async fn on_cluster() -> TestEnv {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let mut cassandra = CassandraConfig::local(&format!("t_{id}"));
+        cassandra.nodes = CLUSTER_HOSTS.map(|h| format!("{h}:9042")).to_vec();
+        cassandra.local_dc = Some("dc1".into());
+        let mut kafka = KafkaConfig::local(&format!("t-{id}-transitions"));
+        kafka.brokers = CLUSTER_HOSTS.map(|h| format!("{h}:9092")).join(",");
+        let replication = Replication::NetworkTopology(vec![("dc1".into(), 3)]);
+        TestEnv::create(id, cassandra, kafka, replication, 3).await
+    }
+
+    async fn create(
+        id: String,
+        cassandra: CassandraConfig,
+        kafka: KafkaConfig,
+        replication: Replication,
+        topic_replication: i32,
+    ) -> TestEnv {
+        if std::env::var_os("TEST_LOG").is_some() {
+            tally::telemetry::init(tally::telemetry::LogFormat::Human);
+        }
         let redis = RedisConfig::local(&format!("t-{id}"));
         let admin = store::connect(&cassandra)
             .await
             .unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
-        store::migrate::run(&admin, &cassandra.keyspace, &Replication::Simple(1))
+        store::migrate::run(&admin, &cassandra.keyspace, &replication)
             .await
             .unwrap_or_else(|e| panic!("migrate failed: {e:#}"));
-        bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, 1)
+        bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, topic_replication)
             .await
             .unwrap_or_else(|e| panic!("topics: {e:#}"));
         let session = store::connect_keyspace(&cassandra)
@@ -143,6 +170,8 @@ impl TestEnv {
     pub fn tally(&self) -> std::process::Command {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
         cmd.env("TALLY_KEYSPACE", &self.cassandra.keyspace)
+            .env("TALLY_CASSANDRA_NODES", self.cassandra.nodes.join(","))
+            .env("TALLY_KAFKA_BROKERS", &self.kafka.brokers)
             .env("TALLY_TOPIC", &self.kafka.topic)
             .env("TALLY_DEAD_LETTER_TOPIC", &self.kafka.dead_letter_topic)
             .env("TALLY_CONSUMER_GROUP", &self.group)

@@ -7,6 +7,7 @@
 //! - `app`: the vote API in-process, and one helper per endpoint;
 //! - `pipeline`: the consumer in-process, and the transitions topic;
 //! - `truth`: what `target_stats` holds against what `reactions` says;
+//! - `history`: a linearizability checker for one (user, target) register;
 //! - `rng`: the one deterministic generator (and Zipf), so a failing run can
 //!   be repeated from its seed.
 
@@ -15,6 +16,7 @@
 
 mod app;
 mod env;
+pub mod history;
 mod pipeline;
 pub mod rng;
 mod servers;
@@ -23,10 +25,10 @@ mod truth;
 use std::time::Duration;
 
 pub use app::{Reply, TestApp, new_key, token};
-pub use env::{TEST_PARTITIONS, TestEnv};
+pub use env::{CLUSTER_HOSTS, TEST_PARTITIONS, TestEnv};
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
-pub use servers::{PrivateRedis, free_port};
+pub use servers::{PrivateRedis, Proc, free_port, signal};
 pub use truth::{Tallies, Tally};
 
 pub const JWT_SECRET: &str = "integration-test-secret";

@@ -54,8 +54,24 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// A child process of the test's, killed (kill -9) when dropped.
+pub struct Proc(pub std::process::Child);
+
+impl Proc {
+    pub fn kill9(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
 /// Sends a signal with kill(1); whether it was delivered.
-fn signal(sig: &str, pid: u32) -> bool {
+pub fn signal(sig: &str, pid: u32) -> bool {
     std::process::Command::new("kill")
         .args([sig, &pid.to_string()])
         .status()
