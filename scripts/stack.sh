@@ -351,14 +351,26 @@ launch_redis() {
 }
 
 stop_one() {
+    ask_to_stop "$1" "$2" && await_stop "$1"
+    return 0
+}
+
+# Sends SIGTERM to one server this script started; false when none runs.
+ask_to_stop() {
     local name=$1 pattern=$2 pid
     if ! running "$name" "$pattern"; then
         rm -f "$RUN/$name.pid"
-        return 0
+        return 1
     fi
     pid=$(pid_of "$name")
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
+}
+
+# Waits up to 60 s for a server asked to stop, then kills it.
+await_stop() {
+    local name=$1 pid
+    pid=$(pid_of "$name") || return 0
     local deadline=$((SECONDS + 60))
     while kill -0 "$pid" 2>/dev/null; do
         if [ "$SECONDS" -ge "$deadline" ]; then
@@ -413,10 +425,14 @@ main() {
             fi
             ;;
         down)
+            # All at once: a KRaft broker whose fellow controllers are
+            # already gone can hang in its shutdown.
+            local stopping=()
             for name in $(each_server | tac); do
                 read -r name pattern kind host port <<<"$(server_row "$name")"
-                stop_one "$name" "$pattern"
+                if ask_to_stop "$name" "$pattern"; then stopping+=("$name"); fi
             done
+            for name in "${stopping[@]}"; do await_stop "$name"; done
             rm -f "$MODE_FILE"
             ;;
         status)

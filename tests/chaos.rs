@@ -20,23 +20,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use support::stack::{env_num, root};
 use support::{JWT_SECRET, Proc, Tally, TestEnv, Zipf, eventually, free_port, token};
-
-fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// The checkout being tested: cargo names it when it runs the test (a binary
-/// built from another checkout of the same sources would not know it).
-fn root() -> std::path::PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
-        || env!("CARGO_MANIFEST_DIR").into(),
-        std::path::PathBuf::from,
-    )
-}
 
 struct Services {
     env_vars: Vec<(String, String)>,
@@ -77,13 +62,7 @@ impl Services {
 }
 
 fn stack(args: &[&str]) {
-    let root = root();
-    let root = root.display();
-    let status = Command::new(format!("{root}/scripts/stack.sh"))
-        .args(args)
-        .status()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "scripts/stack.sh {args:?} failed");
+    support::stack::stack(args);
 }
 
 /// What a client was told.

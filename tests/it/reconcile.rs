@@ -600,6 +600,17 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
         version: 1,
         state: Reaction::Like,
     };
+    // A ledger's changes, written on the fence its head was read at.
+    let write = |t: TargetId, seq: Option<i64>, ledger: Ledger| async move {
+        let users = ledger.changed_rows();
+        let w = FencedWrite {
+            read_seq: seq,
+            totals: ledger.totals,
+            target_type: None,
+            users: &users,
+        };
+        stats.write(&t, &w).await
+    };
     // The other writer (reconcile, or the partition's previous owner)
     // counts ann's like at version 1.
     let other_writer = |t: TargetId| {
@@ -608,32 +619,15 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
             let head = stats.head(&t, ReadAt::Quorum).await?;
             let mut ledger = Ledger::new(head.totals, Default::default());
             ledger.apply_row(&ann, 1, Reaction::Like);
-            let users = ledger.changed_rows();
-            let w = FencedWrite {
-                read_seq: head.seq,
-                totals: ledger.totals,
-                target_type: None,
-                users: &users,
-            };
-            anyhow::Ok(stats.write(&t, &w).await)
+            anyhow::Ok(write(t, head.seq, ledger).await)
         }
     };
     // This writer applies the same transition, published once, from the
     // view it read.
     let this_writer = |t: TargetId, head: tally::store::stats::Head, rows| {
-        let ann = ann.clone();
-        async move {
-            let mut ledger = Ledger::new(head.totals, rows);
-            ledger.apply_event(&ann, 1, Reaction::None, Reaction::Like);
-            let users = ledger.changed_rows();
-            let w = FencedWrite {
-                read_seq: head.seq,
-                totals: ledger.totals,
-                target_type: None,
-                users: &users,
-            };
-            stats.write(&t, &w).await
-        }
+        let mut ledger = Ledger::new(head.totals, rows);
+        ledger.apply_event(&ann, 1, Reaction::None, Reaction::Like);
+        write(t, head.seq, ledger)
     };
 
     // Rows first, then the head: the other write lands in between.

@@ -8,6 +8,7 @@
 //! - `pipeline`: the consumer in-process, and the transitions topic;
 //! - `truth`: what `target_stats` holds against what `reactions` says;
 //! - `history`: a linearizability checker for one (user, target) register;
+//! - `stack`: `scripts/stack.sh` and signals to its servers, for fault runs;
 //! - `rng`: the one deterministic generator (and Zipf), so a failing run can
 //!   be repeated from its seed.
 
@@ -20,6 +21,7 @@ pub mod history;
 mod pipeline;
 pub mod rng;
 mod servers;
+pub mod stack;
 mod truth;
 
 use std::time::Duration;
