@@ -16,6 +16,9 @@ pub fn root() -> std::path::PathBuf {
 pub fn stack(args: &[&str]) -> String {
     let out = Command::new(root().join("scripts/stack.sh"))
         .args(args)
+        // A node restarted under load, on cores it shares with the load and
+        // the other nodes, can take minutes to answer.
+        .env("TALLY_STACK_START_TIMEOUT", "600")
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("{e}"));
