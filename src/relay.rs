@@ -11,7 +11,7 @@
 //! A pass walks the outbox's time buckets from the checkpoint up to the last
 //! one that has settled (older than `settle`, which is longer than a vote may
 //! take). For each unresolved intent it reads the key's record at
-//! LOCAL_SERIAL, which completes any Paxos round still in flight, so the
+//! LOCAL_SERIAL (SERIAL with `--serial-consistency serial`), which completes any Paxos round still in flight, so the
 //! answer is final: no record, or a record without a transition, means
 //! nothing to publish; a transition the consumer has already applied needs
 //! nothing either; anything else is published. Resolved intents are marked,

@@ -5,6 +5,7 @@ use actix_web::http::header::{self, HeaderMap};
 use actix_web::{HttpRequest, HttpResponse, web};
 use futures::StreamExt;
 use serde::Deserialize;
+use tracing::Instrument;
 
 use super::error::ApiError;
 use super::{AppState, RequestId};
@@ -44,7 +45,7 @@ pub async fn cast(
     // task holds the in-flight permit until it ends, within its deadline.
     let task = state.clone();
     let (user, request_id) = (caller.user, request_id.0.clone());
-    let answer = tokio::spawn(async move {
+    let vote_task = async move {
         let _permit = task
             .in_flight
             .try_acquire()
@@ -53,11 +54,14 @@ pub async fn cast(
             .cast(&user, &key, &vote, &request_id)
             .await
             .map_err(ApiError::from)
-    })
-    .await
-    .map_err(|e| {
-        ApiError::Unavailable(anyhow::Error::new(e).context("the vote's task failed"))
-    })??;
+    };
+    // The task keeps the request's span, so its log lines carry the request id.
+    let answer = tokio::spawn(vote_task.instrument(tracing::Span::current()))
+        .await
+        // A task that died may have died after its write committed.
+        .map_err(|e| {
+            ApiError::OutcomeUnknown(anyhow::Error::new(e).context("the vote's task failed"))
+        })??;
     let status = StatusCode::from_u16(answer.status).map_err(|e| {
         ApiError::Unavailable(anyhow::Error::new(e).context("a stored answer has a bad status"))
     })?;
