@@ -51,7 +51,8 @@ pub struct Report {
     /// Users not yet counted whose row changed within the lag grace: the
     /// consumer's ordinary lag, counted now but not drift.
     pub users_in_flight: usize,
-    /// Whether the repair was written (false on a dry run or without drift).
+    /// Whether anything was written: the repair of drift, or rows in flight
+    /// counted ahead of the consumer (false on a dry run).
     pub repaired: bool,
 }
 
@@ -115,13 +116,15 @@ impl Reconciler {
                 return Err(ReconcileError::Contention(target.to_string()));
             }
             (_, Some(mut report)) => {
-                report.repaired = report.drifted && !dry_run;
+                report.repaired = done.writes > 0;
                 report
             }
         };
         metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
         if report.users_in_flight > 0 {
-            tracing::debug!(target_id = %target, users_in_flight = report.users_in_flight, "rows within the lag grace counted ahead of the consumer");
+            // Lag, or a transition lost less than the grace ago: either way
+            // it is counted now, and said so.
+            tracing::info!(target_id = %target, users_in_flight = report.users_in_flight, counted = report.repaired, "rows within the lag grace counted ahead of the consumer");
         }
         if !report.drifted {
             return Ok(report);

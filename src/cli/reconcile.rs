@@ -77,6 +77,9 @@ fn parse_target(s: &str) -> Result<TargetId, String> {
 
 /// Exit status of `tally reconcile --fail-on-drift` when drift was found.
 const DRIFT_FOUND: u8 = 3;
+/// Exit status of `tally reconcile --target` when a named target could not
+/// be checked: another writer kept moving its fence.
+const NOT_CHECKED: u8 = 4;
 
 pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let store = Arc::new(Store::open(&args.cassandra, Duration::from_secs(1)).await?);
@@ -103,6 +106,8 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     }
     Ok(if args.fail_on_drift && summary.targets_drifted > 0 {
         ExitCode::from(DRIFT_FOUND)
+    } else if !args.all && summary.targets_skipped > 0 {
+        ExitCode::from(NOT_CHECKED)
     } else {
         ExitCode::SUCCESS
     })
