@@ -312,7 +312,9 @@ kafka_jvm() {
 
 launch_kafka() {
     fetch_libs kafka
-    kafka_jvm kafka "$CONF/kafka/server.properties" "$KAFKA_HEAP" "$(kafka_cluster_id kafka)"
+    local id
+    id=$(kafka_cluster_id kafka) || die "no kafka cluster id"
+    kafka_jvm kafka "$CONF/kafka/server.properties" "$KAFKA_HEAP" "$id"
 }
 
 # Broker $3 (1-3) of the cluster on address $2; all three are controllers.
@@ -328,7 +330,9 @@ launch_kafka_node() {
         -e "s/min.isr=1/min.isr=2/" \
         "$CONF/kafka/server.properties" >"$base"
     printf 'default.replication.factor=3\nmin.insync.replicas=2\n' >>"$base"
-    kafka_jvm "$name" "$base" "$CLUSTER_KAFKA_HEAP" "$(kafka_cluster_id cluster)"
+    local id
+    id=$(kafka_cluster_id cluster) || die "no kafka cluster id"
+    kafka_jvm "$name" "$base" "$CLUSTER_KAFKA_HEAP" "$id"
 }
 
 # One id per Kafka cluster, made once: the three brokers must share it.
@@ -405,7 +409,11 @@ main() {
             ;;
         up)
             local want=single
-            [ "${2:-}" = --cluster ] && want=cluster
+            case "${2:-}" in
+                "") ;;
+                --cluster) want=cluster ;;
+                *) die "unknown option ${2}; usage: $0 up [--cluster]" ;;
+            esac
             if [ "$(mode)" != "$want" ] && any_running; then
                 die "the $(mode) stack is running; run '$0 down' first (both use 127.0.0.1:9042 and :9092)"
             fi
