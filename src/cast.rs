@@ -181,18 +181,18 @@ impl Caster {
 
         for n in 0..=self.config.max_attempts {
             let snap = if unknown {
-                self.learn_outcome(user, &vote.target_id, key, started)
-                    .await?
+                let snap = self
+                    .learn_outcome(user, &vote.target_id, key, started)
+                    .await?;
+                let applied = snap.record.as_ref().is_some_and(|r| r.owner == owner);
+                crate::metrics::unknown_resolved(if applied { "applied" } else { "not_applied" });
+                snap
             } else {
                 self.store
                     .reactions
                     .snapshot(user, &vote.target_id, key, serial)
                     .await?
             };
-            if unknown {
-                let applied = snap.record.as_ref().is_some_and(|r| r.owner == owner);
-                crate::metrics::unknown_resolved(if applied { "applied" } else { "not_applied" });
-            }
 
             if let Some(record) = snap.record {
                 if record.owner == owner {

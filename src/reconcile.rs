@@ -98,8 +98,9 @@ impl Reconciler {
         let mut recount = Recount {
             store: &self.store,
             dry_run,
-            settled_before_ms: now_ms()
-                .saturating_sub(i64::try_from(self.lag_grace.as_millis()).unwrap_or(i64::MAX)),
+            settled_before: SystemTime::now()
+                .checked_sub(self.lag_grace)
+                .unwrap_or(UNIX_EPOCH),
             report: None,
         };
         let done = fence::write(
@@ -220,8 +221,8 @@ impl Reconciler {
 struct Recount<'a> {
     store: &'a Store,
     dry_run: bool,
-    /// Rows changed at or after this (ms since the epoch) are in flight.
-    settled_before_ms: i64,
+    /// Rows changed at or after this are in flight.
+    settled_before: SystemTime,
     /// What the first round found; later rounds only finish its repair.
     report: Option<Report>,
 }
@@ -270,9 +271,7 @@ impl Fold for Recount<'_> {
                     // at its own version with another state is damage.
                     let counted = base.get(**u).map_or(0, |a| a.version);
                     row.current.version > counted
-                        && row
-                            .updated_at_ms
-                            .is_some_and(|t| t >= self.settled_before_ms)
+                        && row.updated_at.is_some_and(|t| t >= self.settled_before)
                 })
             })
             .count();
@@ -346,13 +345,6 @@ pub struct SweepSummary {
     pub resumed_from: Option<i64>,
     /// False when the sweep was stopped before the end.
     pub complete: bool,
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
 }
 
 impl SweepSummary {

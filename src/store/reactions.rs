@@ -344,7 +344,9 @@ impl Reactions {
                 user,
                 Counted {
                     current: Current { state, version },
-                    updated_at_ms: updated_at.map(|t| t.0),
+                    updated_at: updated_at
+                        .and_then(|t| u64::try_from(t.0).ok())
+                        .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)),
                 },
             ));
         }
@@ -360,7 +362,7 @@ type ByTargetRow = (String, Option<String>, Option<i64>, Option<CqlTimestamp>);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Counted {
     pub current: Current,
-    pub updated_at_ms: Option<i64>,
+    pub updated_at: Option<std::time::SystemTime>,
 }
 
 /// The columns of an idempotency record.
