@@ -103,14 +103,7 @@ async fn send(
     action: &str,
     timeout: Duration,
 ) -> Outcome {
-    let req = client
-        .post(format!("{base}/v1/votes"))
-        .bearer_auth(token(user))
-        .header("Idempotency-Key", key)
-        .json(&serde_json::json!({"target_id": target, "target_type": "video", "action": action}))
-        .timeout(timeout)
-        .send();
-    match req.await {
+    match support::post_vote(client, base, user, key, target, action, timeout).await {
         Ok(res) => {
             let status = res.status().as_u16();
             let replayed = res.headers().contains_key("Idempotent-Replayed");
@@ -160,16 +153,7 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     svc.consumer = Some(svc.tally(&env, "consumer"));
     let base = format!("http://127.0.0.1:{}", svc.api_port);
     let client = reqwest::Client::new();
-    eventually("tally vote to answer", Duration::from_secs(60), || async {
-        client
-            .get(format!("{base}/healthz"))
-            .send()
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-            .map(|_| ())
-    })
-    .await;
+    support::wait_until_healthy(&client, &base, Duration::from_secs(60)).await;
 
     let log = Arc::new(Mutex::new(Log::default()));
     let deadline = Instant::now() + Duration::from_secs(secs);

@@ -162,15 +162,7 @@ async fn vote(
     action: &str,
     timeout: Duration,
 ) -> Answer {
-    let res = client
-        .post(format!("{base}/v1/votes"))
-        .bearer_auth(token(user))
-        .header("Idempotency-Key", key)
-        .json(&serde_json::json!({"target_id": target, "target_type": "video", "action": action}))
-        .timeout(timeout)
-        .send()
-        .await;
-    match res {
+    match support::post_vote(client, base, user, key, target, action, timeout).await {
         Ok(r) if r.status().is_success() => match r.bytes().await {
             Ok(_) => Answer::Ok,
             Err(_) => Answer::Unknown,
@@ -308,16 +300,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
         .collect();
     let client = reqwest::Client::new();
     for base in &bases {
-        eventually("tally vote to answer", Duration::from_secs(90), || async {
-            client
-                .get(format!("{base}/healthz"))
-                .send()
-                .await
-                .ok()
-                .filter(|r| r.status().is_success())
-                .map(|_| ())
-        })
-        .await;
+        support::wait_until_healthy(&client, base, Duration::from_secs(90)).await;
     }
 
     let clock = Arc::new(Clock(Instant::now()));
@@ -449,30 +432,35 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     };
     let mut windows: Vec<Window> = Vec::new();
     let now_s = || clock.now() as f64 / 1e6;
-    let blocking = |args: &'static [&'static str]| {
-        tokio::task::block_in_place(|| stack(args));
+    // A fault's window, from when it began until now.
+    let window = |fault: &'static str, from_s: f64| Window {
+        fault,
+        from_s,
+        to_s: now_s(),
+    };
+    // kill -9 of one server, and its start again at `restart_at` of the run.
+    let kill_then_start = |name: &'static str, restart_at: Duration| async move {
+        eprintln!(
+            "cluster: kill -9 {name} at {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+        signal_server(name, "-KILL");
+        wait_until(restart_at).await;
+        tokio::task::block_in_place(|| stack(&["start", name]));
     };
 
     wait_until(at(0.08)).await;
     let from = now_s();
-    eprintln!("cluster: kill -9 cassandra3 at {from:.1}s");
-    signal_server("cassandra3", "-KILL");
-    wait_until(at(0.20)).await;
-    blocking(&["start", "cassandra3"]);
-    windows.push(Window {
-        fault: "kill -9 of one Cassandra node until it answers again",
-        from_s: from,
-        to_s: now_s(),
-    });
+    kill_then_start("cassandra3", at(0.20)).await;
+    windows.push(window(
+        "kill -9 of one Cassandra node until it answers again",
+        from,
+    ));
 
     wait_until(at(0.38)).await;
     let from = now_s();
     pause(&["cassandra2"], one_paused).await;
-    windows.push(Window {
-        fault: "SIGSTOP of one Cassandra replica",
-        from_s: from,
-        to_s: now_s(),
-    });
+    windows.push(window("SIGSTOP of one Cassandra replica", from));
 
     // A quorum lost for less than a vote's deadline: every CAS timeout
     // must be resolved by the vote's own SERIAL read once it returns. It
@@ -482,14 +470,26 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     let before = cas_outcomes(&scrape(&client, &bases).await);
     let from = now_s();
     pause(&["cassandra2", "cassandra3"], Duration::from_secs(3)).await;
-    windows.push(Window {
-        fault: "SIGSTOP of two of three replicas (no quorum), 3 s",
-        from_s: from,
-        to_s: now_s(),
-    });
-    // Every vote in flight then has ended by its deadline (8 s) since.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let after = cas_outcomes(&scrape(&client, &bases).await);
+    windows.push(window(
+        "SIGSTOP of two of three replicas (no quorum), 3 s",
+        from,
+    ));
+    // Once the quorum is back and every request sent during the pause has
+    // returned (one Cassandra request timeout, 3 s), every CAS timeout so
+    // far ends, within a vote's deadline, with a count of how it ended.
+    let resumed = Instant::now();
+    let after = eventually(
+        "every CAS timeout of the 3 s quorum loss to end",
+        Duration::from_secs(30),
+        || async {
+            let [timeouts, applied, not_applied, unresolved] =
+                cas_outcomes(&scrape(&client, &bases).await);
+            (resumed.elapsed() >= Duration::from_secs(3)
+                && applied + not_applied + unresolved == timeouts)
+                .then_some([timeouts, applied, not_applied, unresolved])
+        },
+    )
+    .await;
     let short_loss: Vec<f64> = (0..4).map(|i| after[i] - before[i]).collect();
 
     // Lost for longer than the deadline: a CAS timeout whose SERIAL read
@@ -499,11 +499,10 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     wait_until(at(0.52)).await;
     let from = now_s();
     pause(&["cassandra2", "cassandra3"], Duration::from_secs(12)).await;
-    windows.push(Window {
-        fault: "SIGSTOP of two of three replicas (no quorum), 12 s",
-        from_s: from,
-        to_s: now_s(),
-    });
+    windows.push(window(
+        "SIGSTOP of two of three replicas (no quorum), 12 s",
+        from,
+    ));
 
     wait_until(at(0.56)).await;
     let from = now_s();
@@ -511,23 +510,18 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     let cut = Partition::cut(CLUSTER_HOSTS[1], CLUSTER_HOSTS[2]);
     tokio::time::sleep(one_paused).await;
     drop(cut);
-    windows.push(Window {
-        fault: "loopback partition between two Cassandra nodes",
-        from_s: from,
-        to_s: now_s(),
-    });
+    windows.push(window(
+        "loopback partition between two Cassandra nodes",
+        from,
+    ));
 
     wait_until(at(0.64)).await;
     let from = now_s();
-    eprintln!("cluster: kill -9 kafka2 at {from:.1}s");
-    signal_server("kafka2", "-KILL");
-    wait_until(at(0.72)).await;
-    blocking(&["start", "kafka2"]);
-    windows.push(Window {
-        fault: "kill -9 of one Kafka broker until it answers again",
-        from_s: from,
-        to_s: now_s(),
-    });
+    kill_then_start("kafka2", at(0.72)).await;
+    windows.push(window(
+        "kill -9 of one Kafka broker until it answers again",
+        from,
+    ));
 
     wait_until(at(0.78)).await;
     let leaders = {
@@ -542,11 +536,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     eprintln!("cluster: restart of kafka{leader}, leader of partition 0, at {from:.1}s");
     let name = format!("kafka{leader}");
     tokio::task::block_in_place(|| stack(&["restart", &name]));
-    windows.push(Window {
-        fault: "restart of a partition leader's broker",
-        from_s: from,
-        to_s: now_s(),
-    });
+    windows.push(window("restart of a partition leader's broker", from));
 
     wait_until(at(0.86)).await;
     let from = now_s();
@@ -554,11 +544,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     consumers[0].kill9();
     tokio::time::sleep(Duration::from_secs(2)).await;
     consumers[0] = spawn("consumer", None);
-    windows.push(Window {
-        fault: "kill -9 of one consumer (a rebalance)",
-        from_s: from,
-        to_s: now_s(),
-    });
+    windows.push(window("kill -9 of one consumer (a rebalance)", from));
 
     tokio::time::sleep(at(0.12).max(Duration::from_secs(10))).await;
     stop.store(true, Ordering::Relaxed);

@@ -139,6 +139,45 @@ impl TestApp {
     }
 }
 
+/// A vote from `user` with `key`, as a client of the fault runs sends it to
+/// a `tally vote` process at `base`, given up after `timeout`.
+pub async fn post_vote(
+    client: &reqwest::Client,
+    base: &str,
+    user: &str,
+    key: &str,
+    target: &str,
+    action: &str,
+    timeout: std::time::Duration,
+) -> reqwest::Result<reqwest::Response> {
+    client
+        .post(format!("{base}/v1/votes"))
+        .bearer_auth(token(user))
+        .header("Idempotency-Key", key)
+        .json(&serde_json::json!({"target_id": target, "target_type": "video", "action": action}))
+        .timeout(timeout)
+        .send()
+        .await
+}
+
+/// Waits until a `tally vote` process at `base` answers `/healthz`.
+pub async fn wait_until_healthy(
+    client: &reqwest::Client,
+    base: &str,
+    deadline: std::time::Duration,
+) {
+    super::eventually("tally vote to answer", deadline, || async {
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
+    })
+    .await;
+}
+
 pub fn new_key() -> String {
     uuid::Uuid::new_v4().to_string()
 }

@@ -26,7 +26,7 @@ mod truth;
 
 use std::time::Duration;
 
-pub use app::{Reply, TestApp, new_key, token};
+pub use app::{Reply, TestApp, new_key, post_vote, token, wait_until_healthy};
 pub use env::{CLUSTER_HOSTS, TEST_PARTITIONS, TestEnv};
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
