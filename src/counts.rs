@@ -9,7 +9,6 @@ use crate::cache::{Cache, Pending};
 use crate::domain::{TargetId, Totals};
 use crate::store::Store;
 use crate::store::StoreError;
-use crate::store::stats::ReadAt;
 
 #[derive(Clone)]
 pub struct Counts {
@@ -22,8 +21,9 @@ impl Counts {
         Counts { cache, store }
     }
 
-    /// Totals for many targets: one Redis round trip, then one durable read
-    /// per miss, in parallel (one partition each, never a multi-partition IN).
+    /// Totals for many targets: one Redis round trip, then, per miss, one
+    /// read of each bucket's head, in parallel (one partition each, never a
+    /// multi-partition IN, never the voters).
     /// With Redis down every target is read from Cassandra.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, StoreError> {
         let cached = match self.cache.get_many(targets).await {
@@ -45,13 +45,12 @@ impl Counts {
             match hit {
                 Some(t) => Ok(t),
                 None => {
-                    let head = self.store.stats.head(target, ReadAt::Quorum).await?;
-                    let seq = head.seq.unwrap_or(0);
+                    let heads = self.store.stats.heads(target).await?;
                     Ok(self
                         .cache
-                        .fill(target, seq, head.totals)
+                        .fill(target, &heads)
                         .await
-                        .unwrap_or(head.totals))
+                        .unwrap_or_else(|_| heads.totals()))
                 }
             }
         });
@@ -74,17 +73,20 @@ impl Counts {
         // it the change may be published, and the consumer's write of it may
         // land before a late command would.
         let deadline = self.cache.change_deadline();
+        let layout = self.store.layout;
         let step = async {
-            match self.cache.apply(target, change, None, deadline).await {
+            match self
+                .cache
+                .apply(target, change, layout, None, deadline)
+                .await
+            {
                 Ok(true) => Ok(()),
-                Ok(false) => match self.store.stats.head(target, ReadAt::Quorum).await {
-                    Ok(head) => {
-                        let durable = Some((head.seq.unwrap_or(0), head.totals));
-                        self.cache
-                            .apply(target, change, durable, deadline)
-                            .await
-                            .map(|_| ())
-                    }
+                Ok(false) => match self.store.stats.heads(target).await {
+                    Ok(heads) => self
+                        .cache
+                        .apply(target, change, layout, Some(&heads), deadline)
+                        .await
+                        .map(|_| ()),
                     Err(e) => {
                         tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
                         Ok(())

@@ -1,5 +1,5 @@
-//! The fenced write: how the consumer and reconcile change one target's
-//! durable totals without ever interleaving with another writer.
+//! The fenced write: how the consumer and reconcile change one bucket of a
+//! target's durable totals without ever interleaving with another writer.
 //!
 //! One round reads the head (the `seq` fence and the totals), then the
 //! applied rows, lets the writer fold what it knows into them, and writes the
@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 use crate::cache::{Cache, Written};
-use crate::domain::{Applied, TargetId, TargetType, Totals, UserId};
+use crate::domain::{Applied, Bucket, TargetId, TargetType, Totals, UserId};
 use crate::store::stats::{FencedWrite, Head, ReadAt, Stats};
 use crate::store::{Cas, StoreError};
 
@@ -22,14 +22,8 @@ use crate::store::{Cas, StoreError};
 /// self-consistent (its totals include exactly the users it records).
 pub const MAX_USERS_PER_WRITE: usize = 200;
 
-/// Whose applied rows a round reads.
-#[derive(Debug, Clone, Copy)]
-pub enum Scope<'a> {
-    Users(&'a [&'a UserId]),
-    Everyone,
-}
-
-/// What one round read: the head, then the applied rows in scope.
+/// What one round read: the bucket's head, then the writer's users' applied
+/// rows.
 #[derive(Debug, Clone)]
 pub struct Read {
     pub head: Head,
@@ -41,13 +35,11 @@ pub struct Read {
 pub enum Step {
     /// Nothing to write: the read already says what the writer knows.
     Settled,
-    /// Write these totals and rows. `more` asks for another round after it
-    /// lands (a writer with more than one chunk to write).
+    /// Write these totals and rows.
     Write {
         totals: Totals,
         target_type: Option<TargetType>,
         users: Vec<(UserId, Applied)>,
-        more: bool,
     },
 }
 
@@ -85,16 +77,16 @@ pub struct Fenced {
     pub requests: u64,
 }
 
-/// Runs rounds until the writer settles, its last write lands, or the fence
-/// is lost `max_lost` times (`None`: never give up). A store error ends it at
-/// once; what landed before stays landed, and is self-consistent. Every
-/// write that lands is written through to `cache` (with its seq), so served
-/// counts follow the durable ones.
+/// Runs rounds on one bucket, reading the applied rows of `users` (all in
+/// that bucket), until the writer settles, its write lands, or the fence is
+/// lost `max_lost` times (`None`: never give up). A store error ends it at
+/// once. A write that lands is written through to `cache` (with its seq), so
+/// served counts follow the durable ones.
 pub async fn write(
     stats: &Stats,
     cache: Option<&Cache>,
-    target: &TargetId,
-    scope: Scope<'_>,
+    (target, bucket): (&TargetId, Bucket),
+    users: &[&UserId],
     max_lost: Option<u32>,
     writer: &mut impl Fold,
 ) -> Result<Fenced, StoreError> {
@@ -110,17 +102,13 @@ pub async fn write(
             done.ending = Ending::Contended;
             return Ok(done);
         }
-        let head = stats.head(target, at).await?;
-        let applied = match scope {
-            Scope::Users(users) => stats.applied_of(target, users).await?,
-            Scope::Everyone => stats.applied_all(target).await?,
-        };
+        let head = stats.head(target, bucket, at).await?;
+        let applied = stats.applied_of(target, bucket, users).await?;
         done.requests += 2;
         let Step::Write {
             totals,
             target_type,
-            users,
-            more,
+            users: rows,
         } = writer.fold(target, Read { head, applied }).await?
         else {
             done.ending = Ending::Settled;
@@ -130,29 +118,15 @@ pub async fn write(
             read_seq: head.seq,
             totals,
             target_type,
-            users: &users,
+            users: &rows,
         };
-        let outcome = stats.write(target, &proposal).await;
+        let outcome = land(stats, cache, (target, bucket), &proposal).await;
         done.requests += 1;
-        crate::metrics::cas("stats", &outcome);
         match outcome {
             Cas::Applied => {
                 done.writes += 1;
-                if let Some(cache) = cache {
-                    let written = Written {
-                        seq: head.seq.unwrap_or(0) + 1,
-                        totals,
-                        users: &users,
-                    };
-                    if let Err(e) = cache.write_through(target, &written).await {
-                        tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
-                    }
-                }
-                if !more {
-                    done.ending = Ending::Written;
-                    return Ok(done);
-                }
-                at = ReadAt::Quorum;
+                done.ending = Ending::Written;
+                return Ok(done);
             }
             Cas::NotApplied => {
                 done.lost += 1;
@@ -166,4 +140,29 @@ pub async fn write(
             Cas::Failed(e) => return Err(StoreError::Request(e)),
         }
     }
+}
+
+/// Writes one fenced write, and writes it through to `cache` (with its seq)
+/// if it landed, so served counts follow the durable ones.
+pub async fn land(
+    stats: &Stats,
+    cache: Option<&Cache>,
+    (target, bucket): (&TargetId, Bucket),
+    proposal: &FencedWrite<'_>,
+) -> Cas {
+    let outcome = stats.write(target, bucket, proposal).await;
+    crate::metrics::cas("stats", &outcome);
+    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
+        let written = Written {
+            buckets: stats.layout(),
+            bucket,
+            seq: proposal.read_seq.unwrap_or(0) + 1,
+            totals: proposal.totals,
+            users: proposal.users,
+        };
+        if let Err(e) = cache.write_through(target, &written).await {
+            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+        }
+    }
+    outcome
 }

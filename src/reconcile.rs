@@ -1,13 +1,18 @@
 //! `tally reconcile`: makes `target_stats` agree with `reactions`, the truth.
 //!
-//! One target: read its stats (fence, totals, applied rows), read its rows in
-//! `reactions` through the SAI index, and fold those rows into the applied
-//! rows with the same apply rule the consumer uses. Damaged totals are
-//! replaced by the sum of the applied states; applied rows that are missing
-//! or behind (a lost event) are brought up to the row's version. The writes
-//! are the consumer's fenced writes, so a consumer or a vote running at the
-//! same time can neither be overwritten nor counted twice: if the fence moved,
-//! the whole recount starts again.
+//! A target is checked a bucket at a time, and a bucket a page at a time, so
+//! memory stays bounded by the page whatever the number of voters. One pass
+//! over a bucket reads its head (fence and totals), then walks the token
+//! range of the bucket: each page reads the applied rows, then the rows of
+//! `reactions` in the same token range through the SAI index, and folds the
+//! rows into the applied rows with the same apply rule the consumer uses.
+//! Applied rows that are missing, behind or wrong (a lost event) are brought
+//! to the row, and the bucket's totals are moved by exactly what changed.
+//! Damaged totals, which only show once the whole bucket is counted, are
+//! replaced by the sum of the applied states at the end of the pass. Every
+//! write is the consumer's fenced write, chained on the seq of the last one,
+//! so a consumer or a vote running at the same time can neither be
+//! overwritten nor counted twice: if the fence moved, the pass starts again.
 //!
 //! A row that changed within the lag grace and is not yet counted is in
 //! flight, not drift: the consumer may simply not have reached it. It is
@@ -16,17 +21,17 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::cache::Cache;
-use crate::domain::{Applied, Ledger, TargetId, Totals, UserId};
-use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
+use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Totals, UserId};
+use crate::fence::{self, MAX_USERS_PER_WRITE};
 use crate::store::reactions::Counted;
-use crate::store::targets::Checkpoint;
-use crate::store::{Store, StoreError};
+use crate::store::stats::{AppliedRow, FencedWrite, Head, ReadAt};
+use crate::store::{Cas, Store, StoreError};
 
 /// Fence conflicts tolerated for one target before giving up on it for now.
 pub const DEFAULT_MAX_FENCE_LOSSES: u32 = 20;
@@ -36,7 +41,8 @@ pub const DEFAULT_MAX_FENCE_LOSSES: u32 = 20;
 /// consumer's ordinary lag, with room to spare.
 pub const DEFAULT_LAG_GRACE: Duration = Duration::from_secs(60);
 
-/// What reconciling one target found and did.
+/// What reconciling a target (all its buckets, or a part of them) found
+/// and did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Report {
     pub target_id: String,
@@ -56,6 +62,40 @@ pub struct Report {
     pub repaired: bool,
 }
 
+impl Report {
+    fn empty(target: &TargetId) -> Report {
+        Report {
+            target_id: target.to_string(),
+            drifted: false,
+            totals_before: Totals::default(),
+            totals_after: Totals::default(),
+            users_behind: 0,
+            users_in_flight: 0,
+            repaired: false,
+        }
+    }
+
+    /// Adds one bucket's findings.
+    fn add(&mut self, found: Found) {
+        self.drifted |= found.behind > 0 || found.damaged_totals;
+        self.totals_before = self.totals_before.plus(found.before);
+        self.totals_after = self.totals_after.plus(found.after);
+        self.users_behind += found.behind;
+        self.users_in_flight += found.in_flight;
+        self.repaired |= found.writes > 0;
+    }
+
+    /// Adds what another part of the same target found.
+    fn merge(&mut self, other: Report) {
+        self.drifted |= other.drifted;
+        self.totals_before = self.totals_before.plus(other.totals_before);
+        self.totals_after = self.totals_after.plus(other.totals_after);
+        self.users_behind += other.users_behind;
+        self.users_in_flight += other.users_in_flight;
+        self.repaired |= other.repaired;
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     #[error(transparent)]
@@ -70,6 +110,7 @@ pub struct Reconciler {
     cache: Option<Cache>,
     max_fence_losses: u32,
     lag_grace: Duration,
+    page_size: i32,
 }
 
 impl Reconciler {
@@ -79,10 +120,12 @@ impl Reconciler {
             cache,
             max_fence_losses: DEFAULT_MAX_FENCE_LOSSES,
             lag_grace: DEFAULT_LAG_GRACE,
+            page_size: PAGE_SIZE,
         }
     }
 
-    /// Gives up on a target (for now) after losing its fence this many times.
+    /// Gives up on a target (for now) after losing a bucket's fence this
+    /// many times.
     pub fn with_max_fence_losses(mut self, losses: u32) -> Reconciler {
         self.max_fence_losses = losses.max(1);
         self
@@ -94,33 +137,79 @@ impl Reconciler {
         self
     }
 
+    /// Rows read at once, of applied rows and of rows of `reactions` each:
+    /// what bounds reconcile's memory.
+    pub fn with_page_size(mut self, rows: i32) -> Reconciler {
+        self.page_size = rows.max(2);
+        self
+    }
+
+    /// Checks and repairs every bucket of one target.
     pub async fn target(&self, target: &TargetId, dry_run: bool) -> Result<Report, ReconcileError> {
-        let mut recount = Recount {
-            store: &self.store,
-            dry_run,
-            settled_before: SystemTime::now()
-                .checked_sub(self.lag_grace)
-                .unwrap_or(UNIX_EPOCH),
-            report: None,
-        };
-        let done = fence::write(
-            &self.store.stats,
-            self.cache.as_ref(),
-            target,
-            Scope::Everyone,
-            Some(self.max_fence_losses),
-            &mut recount,
-        )
-        .await?;
-        let report = match (done.ending, recount.report) {
-            (Ending::Contended, _) | (_, None) => {
-                return Err(ReconcileError::Contention(target.to_string()));
+        let part = Box::pin(self.target_part(target, Bucket::FIRST, dry_run, || false)).await?;
+        Ok(part.report)
+    }
+
+    /// Checks the buckets of a target from `from` on, in order, and stops
+    /// early (answering where to go on) when `pause` says so between two
+    /// buckets.
+    pub async fn target_part(
+        &self,
+        target: &TargetId,
+        from: Bucket,
+        dry_run: bool,
+        pause: impl Fn() -> bool,
+    ) -> Result<Part, ReconcileError> {
+        let layout = self.store.layout;
+        let settled_before = SystemTime::now()
+            .checked_sub(self.lag_grace)
+            .unwrap_or(UNIX_EPOCH);
+        let buckets: Vec<Bucket> = layout.buckets().filter(|b| *b >= from).collect();
+        // A small target (the common case) is read whole: every head, then
+        // all its rows in one page, instead of a page per bucket.
+        let mut heads = Vec::with_capacity(buckets.len());
+        for b in &buckets {
+            heads.push(self.store.stats.head(target, *b, ReadAt::Quorum).await?);
+        }
+        let ring = (i64::MIN, i64::MAX);
+        let everything = self
+            .store
+            .reactions
+            .by_target(target, ring, self.page_size)
+            .await?;
+        let small = everything.len() < self.page_size as usize;
+        let mut report = Report::empty(target);
+        for (i, (bucket, head)) in buckets.iter().zip(heads).enumerate() {
+            if i > 0 && pause() {
+                return Ok(Part {
+                    report,
+                    next: Some(*bucket),
+                });
             }
-            (_, Some(mut report)) => {
-                report.repaired = done.writes > 0;
-                report
-            }
-        };
+            let known = small.then(|| {
+                let (lo, hi) = layout.range(*bucket);
+                everything
+                    .iter()
+                    .filter(|(t, _, _)| (lo..=hi).contains(t))
+                    .cloned()
+                    .collect::<Vec<_>>()
+            });
+            let mut pass = BucketPass {
+                reconciler: self,
+                target,
+                bucket: *bucket,
+                dry_run,
+                settled_before,
+                found: Found::default(),
+            };
+            let found = pass.run(head, known).await?;
+            report.add(found);
+        }
+        self.record(target, &report, dry_run);
+        Ok(Part { report, next: None })
+    }
+
+    fn record(&self, target: &TargetId, report: &Report, dry_run: bool) {
         metrics::counter!(crate::metrics::RECONCILE_CHECKED).increment(1);
         if report.users_in_flight > 0 {
             // Lag, or a transition lost less than the grace ago: either way
@@ -128,24 +217,25 @@ impl Reconciler {
             tracing::info!(target_id = %target, users_in_flight = report.users_in_flight, counted = report.repaired, "rows within the lag grace counted ahead of the consumer");
         }
         if !report.drifted {
-            return Ok(report);
+            return;
         }
         metrics::counter!(crate::metrics::DRIFT_FOUND).increment(1);
         if dry_run {
             tracing::warn!(target_id = %target, before = %report.totals_before, after = %report.totals_after, users_behind = report.users_behind, "drift found (dry run: not repaired)");
-            return Ok(report);
+            return;
         }
         metrics::counter!(crate::metrics::DRIFT_REPAIRED).increment(1);
         tracing::warn!(
             target_id = %target, before = %report.totals_before, after = %report.totals_after,
             users_behind = report.users_behind, "drift found and repaired"
         );
-        Ok(report)
     }
 
     /// Sweeps every target in the registry, in token order, at most `rate`
     /// per second, from the checkpoint `name` (unless `restart`). Saves the
-    /// checkpoint after every page, and clears it when the sweep completes.
+    /// checkpoint after every page, inside a large target every
+    /// `CHECKPOINT_EVERY` and when stopped, and clears it when the sweep
+    /// completes.
     pub async fn sweep(
         &self,
         options: &SweepOptions,
@@ -158,7 +248,7 @@ impl Reconciler {
         } else {
             targets.checkpoint(&options.name).await?
         };
-        let mut cp = resumed.unwrap_or_default();
+        let mut cp = resumed.clone().unwrap_or_default();
         let mut summary = SweepSummary {
             resumed_from: resumed.and_then(|c| c.last_token),
             ..SweepSummary::default()
@@ -184,8 +274,41 @@ impl Reconciler {
                 if let Some(t) = tick.as_mut() {
                     t.tick().await;
                 }
-                let report = match self.target(&target, options.dry_run).await {
-                    Ok(report) => report,
+                // A sweep stopped inside this target goes on from its bucket.
+                let mut from = match &cp.in_target {
+                    Some((id, b)) if id == target.as_str() => self
+                        .store
+                        .layout
+                        .bucket(i64::from(*b))
+                        .unwrap_or(Bucket::FIRST),
+                    _ => Bucket::FIRST,
+                };
+                let mut report = Report::empty(&target);
+                let mut saved = Instant::now();
+                let ended = loop {
+                    let pause = || *stop.borrow() || saved.elapsed() >= CHECKPOINT_EVERY;
+                    // Boxed: the walk's future nests deep enough to need the heap.
+                    let part = Box::pin(self.target_part(&target, from, options.dry_run, pause));
+                    match part.await {
+                        Ok(part) => {
+                            report.merge(part.report);
+                            let Some(next) = part.next else {
+                                break Ok(());
+                            };
+                            cp.in_target = Some((target.to_string(), next.index()));
+                            targets.save_checkpoint(&options.name, &cp).await?;
+                            saved = Instant::now();
+                            if *stop.borrow() {
+                                return Ok(summary);
+                            }
+                            from = next;
+                        }
+                        Err(e) => break Err(e),
+                    }
+                };
+                cp.in_target = None;
+                match ended {
+                    Ok(()) => {}
                     // A target the consumer keeps writing is left for the
                     // next sweep; the consumer keeps it current meanwhile.
                     Err(ReconcileError::Contention(id)) => {
@@ -198,7 +321,7 @@ impl Reconciler {
                         continue;
                     }
                     Err(e) => return Err(e),
-                };
+                }
                 cp.checked += 1;
                 if report.drifted {
                     cp.drifted += 1;
@@ -206,7 +329,8 @@ impl Reconciler {
                 summary.record(report);
                 cp.last_token = Some(token);
                 on_progress(&SweepStatus {
-                    checkpoint: cp,
+                    checked: cp.checked,
+                    drifted: cp.drifted,
                     fraction: token_fraction(token),
                 });
             }
@@ -215,99 +339,278 @@ impl Reconciler {
     }
 }
 
-/// Folds the per-user rows of `reactions` into each round's read of
-/// `target_stats`. The rows are read inside the round, after the stats: an
-/// applied version can then never be ahead of the row it is compared with.
-struct Recount<'a> {
-    store: &'a Store,
+/// How often a sweep inside one large target saves where it is.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(10);
+
+/// Rows per page, of applied rows and of `reactions` each.
+pub const PAGE_SIZE: i32 = 1000;
+
+/// What checking part of a target found, and where it stopped.
+#[derive(Debug, Clone)]
+pub struct Part {
+    pub report: Report,
+    /// The bucket to go on from, if it paused before the last.
+    pub next: Option<Bucket>,
+}
+
+/// What one bucket's passes found and did.
+#[derive(Debug, Clone, Copy, Default)]
+struct Found {
+    before: Totals,
+    after: Totals,
+    behind: usize,
+    in_flight: usize,
+    damaged_totals: bool,
+    writes: u32,
+}
+
+/// A row of `reactions` as a page reads it: the user's token, the user,
+/// and the row.
+type TruthRow = (i64, UserId, Counted);
+
+/// One bucket's check: passes over its token range until one completes
+/// without losing the fence.
+struct BucketPass<'a> {
+    reconciler: &'a Reconciler,
+    target: &'a TargetId,
+    bucket: Bucket,
     dry_run: bool,
     /// Rows changed at or after this are in flight.
     settled_before: SystemTime,
-    /// What the first round found; later rounds only finish its repair.
-    report: Option<Report>,
+    /// Counts of the pages whose repairs landed, across passes.
+    found: Found,
 }
 
-impl Fold for Recount<'_> {
-    async fn fold(&mut self, target: &TargetId, read: Read) -> Result<Step, StoreError> {
-        let truth: HashMap<UserId, Counted> = self
-            .store
-            .reactions
-            .by_target(target)
-            .await?
-            .into_iter()
-            .collect();
-        let before = read.head.totals;
-        let base = read.applied;
-        // Damaged totals are replaced by the sum of the applied states.
-        let recounted = Totals::count(base.values().map(|a| a.state));
+/// Where a pass stands: the bucket's fence and totals as our own writes
+/// left them, and the sum of the applied states walked so far.
+struct Walk {
+    seq: Option<i64>,
+    stored: Totals,
+    target_type: Option<TargetType>,
+    recount: Totals,
+}
+
+impl BucketPass<'_> {
+    /// `head` was read before `known` (a small target's rows, read whole);
+    /// both serve only the first pass, later ones read afresh.
+    async fn run(
+        &mut self,
+        head: Head,
+        mut known: Option<Vec<TruthRow>>,
+    ) -> Result<Found, ReconcileError> {
+        let store = &self.reconciler.store;
+        let mut head = Some(head);
+        let mut lost = 0;
+        self.found.before = head.map(|h| h.totals).unwrap_or_default();
+        loop {
+            if lost >= self.reconciler.max_fence_losses {
+                return Err(ReconcileError::Contention(self.target.to_string()));
+            }
+            let h = match head.take() {
+                Some(h) => h,
+                None => {
+                    store
+                        .stats
+                        .head(self.target, self.bucket, ReadAt::Serial)
+                        .await?
+                }
+            };
+            let mut walk = Walk {
+                seq: h.seq,
+                stored: h.totals,
+                target_type: h.target_type,
+                recount: Totals::default(),
+            };
+            if self.walk(&mut walk, known.take()).await? == Landed::Lost {
+                lost += 1;
+                continue;
+            }
+            // The bucket is counted: totals that differ from the sum of its
+            // applied states were damaged, and are replaced by that sum.
+            if walk.recount != walk.stored {
+                self.found.damaged_totals = true;
+                let recount = walk.recount;
+                if !self.dry_run
+                    && self.write(&mut walk, recount, Vec::new()).await? == Landed::Lost
+                {
+                    lost += 1;
+                    continue;
+                }
+            }
+            self.found.after = walk.recount;
+            return Ok(self.found);
+        }
+    }
+
+    /// Walks the bucket's token range a page at a time, repairing as it goes.
+    async fn walk(
+        &mut self,
+        walk: &mut Walk,
+        known: Option<Vec<TruthRow>>,
+    ) -> Result<Landed, ReconcileError> {
+        let store = &self.reconciler.store;
+        let limit = self.reconciler.page_size;
+        let (lo, hi) = store.layout.range(self.bucket);
+        let mut from = lo;
+        loop {
+            let mut applied = store
+                .stats
+                .applied_page(self.target, self.bucket, (from, hi), limit)
+                .await?;
+            let mut truth = match &known {
+                Some(rows) => rows.iter().filter(|r| r.0 >= from).cloned().collect(),
+                None => {
+                    store
+                        .reactions
+                        .by_target(self.target, (from, hi), limit)
+                        .await?
+                }
+            };
+            // A read that filled its page may have stopped inside a token;
+            // the page ends before the first token either read may not have
+            // finished, and the next one starts there.
+            let full = |n: usize| n >= limit as usize;
+            let mut end = None;
+            if full(applied.len()) {
+                end = applied.last().map(|r| r.token);
+            }
+            if known.is_none() && full(truth.len()) {
+                let t = truth.last().map(|r| r.0);
+                end = end.min(t).or(end).or(t);
+            }
+            if let Some(e) = end {
+                if e == from {
+                    return Err(StoreError::Corrupt(format!(
+                        "more than {limit} users of target {} share token {e}",
+                        self.target
+                    ))
+                    .into());
+                }
+                applied.retain(|r| r.token < e);
+                truth.retain(|r| r.0 < e);
+            }
+            if self.page(walk, applied, truth).await? == Landed::Lost {
+                return Ok(Landed::Lost);
+            }
+            match end {
+                Some(e) => from = e,
+                None => return Ok(Landed::Written),
+            }
+        }
+    }
+
+    /// Folds one page of rows into its applied rows and writes what changed.
+    async fn page(
+        &mut self,
+        walk: &mut Walk,
+        applied: Vec<AppliedRow>,
+        truth: Vec<TruthRow>,
+    ) -> Result<Landed, ReconcileError> {
+        let store = &self.reconciler.store;
+        let base: HashMap<UserId, Applied> =
+            applied.into_iter().map(|r| (r.user, r.applied)).collect();
+        let truth: HashMap<UserId, Counted> = truth.into_iter().map(|(_, u, c)| (u, c)).collect();
         // Applied rows of users with no row in `reactions`, confirmed one by
         // one by key (an index read could miss a row; a key read cannot).
         let mut ghosts = Vec::new();
-        for user in base.keys().filter(|u| !truth.contains_key(*u)) {
-            if base.get(user).is_some_and(|a| *a != Applied::NEVER)
-                && self
-                    .store
+        for (user, a) in &base {
+            if !truth.contains_key(user)
+                && *a != Applied::NEVER
+                && store
                     .reactions
-                    .states(user, std::slice::from_ref(target))
+                    .states(user, std::slice::from_ref(self.target))
                     .await?
                     .is_empty()
             {
                 ghosts.push(user.clone());
             }
         }
-        let mut plan = Ledger::new(recounted, base.clone());
+        let mut plan = Ledger::new(Totals::default(), base.clone());
         for (user, row) in &truth {
             plan.correct_row(user, row.current.version, row.current.state);
         }
         for user in &ghosts {
             plan.forget(user);
         }
-        let behind: Vec<&UserId> = plan.changed.iter().collect();
+        let behind: Vec<UserId> = plan.changed.iter().cloned().collect();
         let in_flight = behind
             .iter()
             .filter(|u| {
-                truth.get(**u).is_some_and(|row| {
+                truth.get(*u).is_some_and(|row| {
                     // Only a row ahead of its count can be lag; one counted
                     // at its own version with another state is damage.
-                    let counted = base.get(**u).map_or(0, |a| a.version);
+                    let counted = base.get(*u).map_or(0, |a| a.version);
                     row.current.version > counted
                         && row.updated_at.is_some_and(|t| t >= self.settled_before)
                 })
             })
             .count();
-        let drifted = recounted != before || behind.len() > in_flight;
-        let first = self.report.get_or_insert_with(|| Report {
-            target_id: target.to_string(),
-            drifted,
-            totals_before: before,
-            totals_after: plan.totals,
-            users_behind: behind.len() - in_flight,
-            users_in_flight: in_flight,
-            repaired: false,
-        });
-        // A later round (after a lost fence, or the next chunk) reports what
-        // the first one found, and what the whole repair ends at.
-        first.totals_after = plan.totals;
-        if (behind.is_empty() && !drifted) || self.dry_run {
-            return Ok(Step::Settled);
-        }
-        // One chunk per round, each self-consistent: its totals are the
-        // recounted base plus exactly the users it writes.
-        let chunk = &behind[..behind.len().min(MAX_USERS_PER_WRITE)];
-        let mut ledger = Ledger::new(recounted, base);
-        for user in chunk {
-            match truth.get(*user) {
-                Some(row) => ledger.correct_row(user, row.current.version, row.current.state),
-                None => ledger.forget(user),
+        // Chunks, each self-consistent: its totals move by exactly the users
+        // it writes. A dry run moves them the same way, unwritten.
+        for chunk in plan.changed_rows().chunks(MAX_USERS_PER_WRITE) {
+            let was = Totals::count(
+                chunk
+                    .iter()
+                    .map(|(u, _)| base.get(u).copied().unwrap_or(Applied::NEVER).state),
+            );
+            let now = Totals::count(chunk.iter().map(|(_, a)| a.state));
+            let totals = walk.stored.minus(was).plus(now);
+            if self.dry_run {
+                walk.stored = totals;
+            } else if self.write(walk, totals, chunk.to_vec()).await? == Landed::Lost {
+                return Ok(Landed::Lost);
             }
         }
-        Ok(Step::Write {
-            totals: ledger.totals,
-            target_type: read.head.target_type,
-            users: ledger.changed_rows(),
-            more: behind.len() > chunk.len(),
-        })
+        walk.recount = walk.recount.plus(plan.recount());
+        self.found.behind += behind.len() - in_flight;
+        self.found.in_flight += in_flight;
+        Ok(Landed::Written)
     }
+
+    /// One fenced write, chained on the seq of the walk's last one.
+    async fn write(
+        &mut self,
+        walk: &mut Walk,
+        totals: Totals,
+        users: Vec<(UserId, Applied)>,
+    ) -> Result<Landed, ReconcileError> {
+        let store = &self.reconciler.store;
+        let proposal = FencedWrite {
+            read_seq: walk.seq,
+            totals,
+            target_type: walk.target_type,
+            users: &users,
+        };
+        let place = (self.target, self.bucket);
+        match fence::land(
+            &store.stats,
+            self.reconciler.cache.as_ref(),
+            place,
+            &proposal,
+        )
+        .await
+        {
+            Cas::Applied => {
+                walk.seq = Some(walk.seq.unwrap_or(0) + 1);
+                walk.stored = totals;
+                self.found.writes += 1;
+                Ok(Landed::Written)
+            }
+            Cas::NotApplied => Ok(Landed::Lost),
+            Cas::Unknown(e) => {
+                tracing::warn!(target_id = %self.target, bucket = %self.bucket, error = format!("{e:#}"), "stats write outcome unknown; starting the bucket again at SERIAL");
+                Ok(Landed::Lost)
+            }
+            Cas::Failed(e) => Err(StoreError::Request(e).into()),
+        }
+    }
+}
+
+/// Whether a step's writes landed, or the fence moved under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Landed {
+    Written,
+    Lost,
 }
 
 /// Corrections listed in a summary; the counts cover all of them.
@@ -325,7 +628,8 @@ pub struct SweepOptions {
 
 #[derive(Debug, Clone, Copy)]
 pub struct SweepStatus {
-    pub checkpoint: Checkpoint,
+    pub checked: i64,
+    pub drifted: i64,
     /// How far through the token ring the sweep is, 0 to 1.
     pub fraction: f64,
 }

@@ -190,10 +190,11 @@ impl Relay {
                 return Ok(false);
             }
         };
+        let bucket = self.store.stats.bucket_of(&transition.user_id);
         let applied = self
             .store
             .stats
-            .applied_of(&transition.target_id, &[&transition.user_id])
+            .applied_of(&transition.target_id, bucket, &[&transition.user_id])
             .await?;
         if applied
             .get(&transition.user_id)

@@ -54,7 +54,7 @@ pub async fn bench_env(name: &str, partitions: i32) -> BenchEnv {
     let session = store::connect(&cassandra)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
-    store::migrate::run(&session, &cassandra.keyspace, &replication)
+    store::migrate::run(&session, &cassandra.keyspace, &replication, None)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
     tally::bus::admin::ensure_topics(&kafka, partitions, topic_replication)

@@ -11,7 +11,8 @@ use redis::Script;
 
 use crate::bus::{KafkaConfig, lag};
 use crate::domain::reaction::N_COUNTED;
-use crate::domain::{Applied, Reaction, TargetId, Totals, UserId};
+use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, Totals, UserId};
+use crate::store::stats::Heads;
 
 /// Where Redis is.
 #[derive(clap::Args, Debug, Clone)]
@@ -59,20 +60,24 @@ pub enum CacheError {
 }
 
 // One entry per target, a hash:
-//   seq        the `target_stats` seq its base was read or written at
-//   b:<name>   the base: the durable totals as of `seq`
-//   v:<name>   the served totals: the base plus every pending change
-//   p:<user>   a pending change, "version|to|from|ms": the vote path counted
-//              the user at `to` (their row at `version`) at `ms`, and the
-//              base counts them at `from`
-// The consumer (and reconcile) write each durable write through, with its
-// seq: the base becomes exact, the pending changes it now includes go, and
-// an older seq never overwrites a newer one. So a served count is wrong at
-// most until the consumer catches up, however entries expire and refill.
+//   s:<b>        the `target_stats` seq bucket b's base was read or written at
+//   b:<b>:<name> bucket b's base: its durable totals as of s:<b>
+//   k            how many buckets have a base
+//   v:<name>     the served totals: the bases of all buckets plus every
+//                pending change; present only once every bucket has a base
+//   p:<user>     a pending change, "version|to|from|ms": the vote path counted
+//                the user at `to` (their row at `version`) at `ms`, and the
+//                base counts them at `from`
+// The consumer (and reconcile) write each durable write of a bucket through,
+// with its seq: that bucket's base becomes exact, the pending changes it now
+// includes go, and an older seq never overwrites a newer one. A read's miss
+// fills every bucket the same way, newer seq winning. So a served count is
+// wrong at most until the consumer catches up, however entries expire and
+// refill.
 
 /// Shared by the scripts: moves a served total for a state (none counts
-/// nowhere), and recomputes the served totals from the base and the pending
-/// changes.
+/// nowhere), records a bucket's base if it is newer, and recomputes the
+/// served totals from the bases and the pending changes.
 const LIB: &str = r"
 local function move(key, state, d)
   if state ~= 'none' then redis.call('HINCRBY', key, 'v:' .. state, d) end
@@ -92,33 +97,72 @@ local function served(key, names)
   end
   return out
 end
-local function fill(key, names, base, seq, ttl)
-  for i, name in ipairs(names) do
-    redis.call('HSET', key, 'b:' .. name, base[i], 'v:' .. name, base[i])
+local function complete(key, nb)
+  return tonumber(redis.call('HGET', key, 'k') or '0') >= nb
+end
+local function set_base(key, names, b, seq, base)
+  local f = 's:' .. b
+  local cur = redis.call('HGET', key, f)
+  if cur and tonumber(cur) >= tonumber(seq) then return false end
+  if not cur then redis.call('HINCRBY', key, 'k', 1) end
+  redis.call('HSET', key, f, seq)
+  for i, name in ipairs(names) do redis.call('HSET', key, 'b:' .. b .. ':' .. name, base[i]) end
+  return true
+end
+local function fill(key, names, nb, at)
+  local n = #names
+  for b = 0, nb - 1 do
+    local base = {}
+    for i = 1, n do base[i] = ARGV[at + b * (n + 1) + i] end
+    set_base(key, names, b, ARGV[at + b * (n + 1)], base)
   end
-  redis.call('HSET', key, 'seq', seq)
-  redis.call('EXPIRE', key, ttl)
+end
+local function recompute(key, names, nb, stale)
+  if not complete(key, nb) then return end
+  local v = {}
+  for _, name in ipairs(names) do v[name] = 0 end
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local f = all[i]
+    local kind = string.sub(f, 1, 2)
+    if kind == 'b:' then
+      local name = string.match(f, '^b:%d+:(.*)$')
+      if v[name] then v[name] = v[name] + tonumber(all[i + 1]) end
+    elseif kind == 'p:' then
+      local _, to, from, ms = parse(all[i + 1])
+      if stale and (ms == nil or ms < stale) then
+        redis.call('HDEL', key, f)
+      else
+        if v[to] then v[to] = v[to] + 1 end
+        if v[from] then v[from] = v[from] - 1 end
+      end
+    end
+  end
+  for _, name in ipairs(names) do redis.call('HSET', key, 'v:' .. name, v[name]) end
 end
 ";
 
 /// A committed vote's change: `user` now at `to` (row `version`), from
 /// `from`. Refused after `deadline` (Redis time, ms): by then the vote has
 /// given up on the cache and may have published, so the consumer's write
-/// may already hold the change. An absent entry is filled from the durable
-/// head given (or, with none given, the script answers false).
-/// ARGV: n, ttl, deadline, n names, user, version, to, from, seq, n base.
+/// may already hold the change. An entry without every bucket's base is
+/// filled from the durable heads given (or, with none given, the script
+/// answers false).
+/// ARGV: n, ttl, deadline, buckets, n names, user, version, to, from, then
+/// '' or, per bucket, seq and n base.
 const APPLY: &str = r"
 local n = tonumber(ARGV[1])
+local nb = tonumber(ARGV[4])
 local now = now_ms()
 if now > tonumber(ARGV[3]) then return -1 end
 local names = {}
-for i = 1, n do names[i] = ARGV[3 + i] end
-local user, version, to, from = ARGV[4 + n], tonumber(ARGV[5 + n]), ARGV[6 + n], ARGV[7 + n]
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[8 + n] == '' then return false end
-  local base = {}
-  for i = 1, n do base[i] = ARGV[8 + n + i] end
-  fill(KEYS[1], names, base, ARGV[8 + n], ARGV[2])
+for i = 1, n do names[i] = ARGV[4 + i] end
+local user, version, to, from = ARGV[5 + n], tonumber(ARGV[6 + n]), ARGV[7 + n], ARGV[8 + n]
+if not complete(KEYS[1], nb) then
+  if ARGV[9 + n] == '' then return false end
+  fill(KEYS[1], names, nb, 9 + n)
+  recompute(KEYS[1], names, nb, nil)
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
 local field = 'p:' .. user
 local cur = redis.call('HGET', KEYS[1], field)
@@ -136,40 +180,40 @@ end
 return served(KEYS[1], names)
 ";
 
-/// A read's miss: fills an absent entry from the durable head. An existing
-/// entry is never overwritten.
-/// ARGV: n, ttl, n names, seq, n base.
+/// A read's miss: records every bucket's durable head (a newer seq wins)
+/// and answers the served totals.
+/// ARGV: n, ttl, buckets, n names, then per bucket seq and n base.
 const FILL: &str = r"
 local n = tonumber(ARGV[1])
+local nb = tonumber(ARGV[3])
 local names = {}
-for i = 1, n do names[i] = ARGV[2 + i] end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  local base = {}
-  for i = 1, n do base[i] = ARGV[3 + n + i] end
-  fill(KEYS[1], names, base, ARGV[3 + n], ARGV[2])
-end
+for i = 1, n do names[i] = ARGV[3 + i] end
+local was = complete(KEYS[1], nb)
+fill(KEYS[1], names, nb, 4 + n)
+recompute(KEYS[1], names, nb, nil)
+if not was then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return served(KEYS[1], names)
 ";
 
-/// A durable write, written through: the base at `seq` (if newer than the
-/// entry's), and the users it counted, each at (version, state). A pending
-/// change older than `stale` ms is dropped too: the consumer has counted it
-/// long since, and only a write-through that failed (Redis down) left it.
-/// ARGV: n, ttl, stale, n names, seq, n base, k, then k times user, version,
-/// state.
+/// A durable write of one bucket, written through: the bucket's base at
+/// `seq` (if newer than the entry's), and the users it counted, each at
+/// (version, state). A pending change older than `stale` ms is dropped too:
+/// the consumer has counted it long since, and only a write-through that
+/// failed (Redis down) left it. An entry still missing other buckets' bases
+/// keeps this one and serves nothing until a read fills the rest.
+/// ARGV: n, ttl, stale, buckets, n names, bucket, seq, n base, k, then k
+/// times user, version, state.
 const WRITE_THROUGH: &str = r"
 local n = tonumber(ARGV[1])
-local stale = now_ms() - tonumber(ARGV[3])
+local nb = tonumber(ARGV[4])
 local names = {}
-for i = 1, n do names[i] = ARGV[3 + i] end
-local seq = tonumber(ARGV[4 + n])
-local cur = redis.call('HGET', KEYS[1], 'seq')
-if cur and tonumber(cur) >= seq then return 0 end
-for i = 1, n do redis.call('HSET', KEYS[1], 'b:' .. names[i], ARGV[4 + n + i]) end
-redis.call('HSET', KEYS[1], 'seq', seq)
-local k = tonumber(ARGV[5 + 2 * n])
+for i = 1, n do names[i] = ARGV[4 + i] end
+local base = {}
+for i = 1, n do base[i] = ARGV[6 + n + i] end
+if not set_base(KEYS[1], names, ARGV[5 + n], ARGV[6 + n], base) then return 0 end
+local k = tonumber(ARGV[7 + 2 * n])
 for j = 0, k - 1 do
-  local at = 6 + 2 * n + 3 * j
+  local at = 8 + 2 * n + 3 * j
   local field = 'p:' .. ARGV[at]
   local cur = redis.call('HGET', KEYS[1], field)
   if cur then
@@ -181,21 +225,7 @@ for j = 0, k - 1 do
     end
   end
 end
-local v = {}
-for i = 1, n do v[names[i]] = tonumber(ARGV[4 + n + i]) end
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all, 2 do
-  if string.sub(all[i], 1, 2) == 'p:' then
-    local _, to, from, ms = parse(all[i + 1])
-    if ms == nil or ms < stale then
-      redis.call('HDEL', KEYS[1], all[i])
-    else
-      if v[to] then v[to] = v[to] + 1 end
-      if v[from] then v[from] = v[from] - 1 end
-    end
-  end
-end
-for i = 1, n do redis.call('HSET', KEYS[1], 'v:' .. names[i], v[names[i]]) end
+recompute(KEYS[1], names, nb, now_ms() - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
@@ -228,9 +258,11 @@ pub struct Pending<'a> {
     pub to: Reaction,
 }
 
-/// What a durable write wrote, to write through to the cache.
+/// What a durable write of one bucket wrote, to write through to the cache.
 #[derive(Debug, Clone, Copy)]
 pub struct Written<'a> {
+    pub buckets: Layout,
+    pub bucket: Bucket,
     pub seq: i64,
     pub totals: Totals,
     pub users: &'a [(UserId, Applied)],
@@ -274,8 +306,9 @@ impl Cache {
     }
 
     fn key(&self, target: &TargetId) -> String {
-        // `e` for entry; entries of earlier layouts are never read and expire.
-        format!("{}:e:{}", self.prefix, target.as_str())
+        // `b` for a bucketed entry; entries of earlier layouts are never read
+        // and expire.
+        format!("{}:b:{}", self.prefix, target.as_str())
     }
 
     pub fn ttl(&self) -> Duration {
@@ -319,20 +352,15 @@ impl Cache {
             .collect()
     }
 
-    /// Fills an absent entry from the durable head (`seq`, `totals`) and
-    /// returns what it serves; an existing entry is left as it is.
-    pub async fn fill(
-        &self,
-        target: &TargetId,
-        seq: i64,
-        totals: Totals,
-    ) -> Result<Totals, CacheError> {
+    /// Records the durable heads of every bucket (a newer seq wins) and
+    /// returns what the entry serves.
+    pub async fn fill(&self, target: &TargetId, heads: &Heads) -> Result<Totals, CacheError> {
         let mut call = self.fill.key(self.key(target));
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
-            .arg(names())
-            .arg(seq)
-            .arg(&totals.values()[..]);
+            .arg(heads.0.len())
+            .arg(names());
+        push_heads(&mut call, heads);
         let values: Vec<i64> = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
@@ -353,14 +381,15 @@ impl Cache {
 
     /// Counts a committed change ahead of the consumer, if Redis runs it
     /// before `deadline` (from `change_deadline`, taken once per change).
-    /// With `durable` (the head: seq and totals) an absent entry is filled
-    /// first; without, an absent entry is left absent and the answer is
+    /// With `durable` (every bucket's head) an entry missing a base is
+    /// filled first; without, it is left as it is and the answer is
     /// `Ok(false)`.
     pub async fn apply(
         &self,
         target: &TargetId,
         change: &Pending<'_>,
-        durable: Option<(i64, Totals)>,
+        buckets: Layout,
+        durable: Option<&Heads>,
         deadline: SystemTime,
     ) -> Result<bool, CacheError> {
         let deadline_ms = deadline
@@ -370,15 +399,18 @@ impl Cache {
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
             .arg(u64::try_from(deadline_ms).unwrap_or(u64::MAX))
+            .arg(buckets.count())
             .arg(names())
             .arg(change.user.as_str())
             .arg(change.version)
             .arg(change.to.as_str())
             .arg(change.from.as_str());
         match durable {
-            Some((seq, totals)) => call.arg(seq).arg(&totals.values()[..]),
-            None => call.arg(""),
-        };
+            Some(heads) => push_heads(&mut call, heads),
+            None => {
+                call.arg("");
+            }
+        }
         let answer: redis::Value = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
             .await?;
@@ -390,9 +422,9 @@ impl Cache {
         }
     }
 
-    /// Writes a durable write through: the entry's base becomes exact as of
-    /// `written.seq` (unless it already holds a newer one), and the pending
-    /// changes it now includes go. Absent entries are created.
+    /// Writes a durable write through: the bucket's base becomes exact as of
+    /// `written.seq` (unless the entry already holds a newer one), and the
+    /// pending changes it now includes go.
     pub async fn write_through(
         &self,
         target: &TargetId,
@@ -402,7 +434,9 @@ impl Cache {
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
             .arg(u64::try_from(PENDING_STALE.as_millis()).unwrap_or(u64::MAX))
+            .arg(written.buckets.count())
             .arg(names())
+            .arg(written.bucket.index())
             .arg(written.seq)
             .arg(&written.totals.values()[..])
             .arg(written.users.len());
@@ -430,6 +464,13 @@ impl Cache {
             .within(async { Ok(ping.query_async(&mut self.conn().await?).await?) })
             .await?;
         Ok(())
+    }
+}
+
+/// Per bucket, in order: the seq (0 for a bucket never written) and the base.
+fn push_heads(call: &mut redis::ScriptInvocation<'_>, heads: &Heads) {
+    for h in &heads.0 {
+        call.arg(h.seq.unwrap_or(0)).arg(&h.totals.values()[..]);
     }
 }
 

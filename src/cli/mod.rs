@@ -11,6 +11,7 @@ use crate::api::{ApiConfig, Application};
 use crate::auth::{self, TokenArgs};
 use crate::bus::{self, KafkaConfig};
 use crate::consumer::ConsumerConfig;
+use crate::domain::Layout;
 use crate::store::{self, CassandraConfig, migrate::Replication};
 use crate::telemetry::LogFormat;
 
@@ -55,6 +56,12 @@ pub struct MigrateArgs {
     #[arg(long, env = "TALLY_REPLICATION", default_value = "simple:1")]
     pub replication: Replication,
 
+    /// Buckets per target in `target_stats`, fixed when the keyspace is
+    /// created (16 unless given); a different count later is refused. See
+    /// docs/operations.md, "Sizing the buckets".
+    #[arg(long = "stats-buckets", env = "TALLY_STATS_BUCKETS", value_parser = parse_buckets)]
+    pub stats_buckets: Option<Layout>,
+
     /// Partitions of the transitions topic: the most consumers that can share the work.
     #[arg(long, env = "TALLY_PARTITIONS", default_value_t = 6, value_parser = clap::value_parser!(i32).range(1..=1024))]
     pub partitions: i32,
@@ -82,15 +89,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
     let session = store::connect(&args.cassandra).await?;
-    let report = store::migrate::run(&session, &args.cassandra.keyspace, &args.replication).await?;
+    let report = store::migrate::run(
+        &session,
+        &args.cassandra.keyspace,
+        &args.replication,
+        args.stats_buckets,
+    )
+    .await?;
     let topics = bus::admin::ensure_topics(&args.kafka, args.partitions, args.topic_replication)
         .await
         .context("Failed to create the Kafka topics")?;
     println!(
-        "keyspace {}: {} migration(s) applied, {} already applied; topics created: {}",
+        "keyspace {}: {} migration(s) applied, {} already applied, {} bucket(s) per target; topics created: {}",
         args.cassandra.keyspace,
         report.applied.len(),
         report.already.len(),
+        report.layout.map_or(0, Layout::count),
         if topics.is_empty() {
             "none (all existed)".to_owned()
         } else {
@@ -98,6 +112,13 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
         }
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn parse_buckets(s: &str) -> Result<Layout, String> {
+    let n: i64 = s
+        .parse()
+        .map_err(|_| format!("expected a whole number, not {s:?}"))?;
+    Layout::new(n).map_err(|e| e.to_string())
 }
 
 async fn vote(config: ApiConfig) -> anyhow::Result<ExitCode> {

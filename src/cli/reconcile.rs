@@ -232,7 +232,7 @@ async fn sweep_with_progress(
     let mut last_log = Instant::now();
     let summary = reconciler
         .sweep(options, stop, |status| {
-            let c = status.checkpoint;
+            let c = status;
             if tty {
                 let filled = ((status.fraction * 30.0).round() as usize).min(30);
                 eprint!(

@@ -2,8 +2,9 @@
 //! `target_stats`, however often Kafka delivers it.
 //!
 //! A batch is up to `batch_max` messages or `batch_wait` of time. Its events
-//! are grouped by target, and each target gets one fenced write (see
-//! `fence`). Offsets are stored only after every write of the batch has
+//! are grouped by bucket of a target, and each bucket gets one fenced write
+//! (see `fence`); buckets are written in parallel, so a target that gets
+//! most of the traffic is written by as many writers as it has buckets. Offsets are stored only after every write of the batch has
 //! landed; auto-commit then commits them. A crash anywhere replays from the
 //! last commit, and the replayed versions are dropped by the apply rule.
 
@@ -21,14 +22,14 @@ use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::source::{Received, Source};
 use crate::cache::{Cache, TtlPolicy};
-use crate::domain::{Ledger, TargetId, Transition, UserId};
-use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Scope, Step};
+use crate::domain::{Bucket, Ledger, TargetId, Transition, UserId};
+use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Step};
 use crate::ops::Stores;
 use crate::store::stats::Stats;
 use crate::store::{Store, StoreError};
 
-/// How the consumer writes: `batched` (one fenced write per target per
-/// batch) or `per-event` (one per event, the baseline the benches compare).
+/// How the consumer writes: `batched` (one fenced write per bucket of a
+/// target per batch) or `per-event` (one per event, the baseline the benches compare).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteMode {
     Batched,
@@ -50,7 +51,7 @@ pub struct ConsumerConfig {
     #[arg(long = "batch-wait", env = "TALLY_BATCH_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub batch_wait: Duration,
 
-    /// Targets written concurrently within one batch.
+    /// Buckets written concurrently within one batch.
     #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16)]
     pub parallelism: usize,
 
@@ -188,16 +189,24 @@ impl Worker<'_> {
         batch: &[Received],
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
-        let mut by_target: HashMap<TargetId, Vec<Transition>> = HashMap::new();
+        let mut by_bucket: HashMap<(TargetId, Bucket), Vec<Transition>> = HashMap::new();
         for m in batch {
             match Transition::from_json(&m.payload) {
-                Ok(t) => by_target.entry(t.target_id.clone()).or_default().push(t),
+                Ok(t) => {
+                    let bucket = self.stats.bucket_of(&t.user_id);
+                    by_bucket
+                        .entry((t.target_id.clone(), bucket))
+                        .or_default()
+                        .push(t);
+                }
                 Err(reason) => self.dead_letter(m, &reason.to_string(), stop).await?,
             }
         }
-        let writes = by_target
+        let writes = by_bucket
             .into_iter()
-            .map(|(target, events)| async move { self.count_target(&target, &events, stop).await });
+            .map(|((target, bucket), events)| async move {
+                self.count_bucket((&target, bucket), &events, stop).await
+            });
         let results: Vec<anyhow::Result<()>> = futures::stream::iter(writes)
             .buffer_unordered(self.config.parallelism.max(1))
             .collect()
@@ -205,12 +214,12 @@ impl Worker<'_> {
         results.into_iter().collect()
     }
 
-    /// Counts a target's events, in chunks of at most `MAX_USERS_PER_WRITE`
-    /// users (one event per chunk in per-event mode), each through the
-    /// fence. Retries a chunk until it lands.
-    async fn count_target(
+    /// Counts the events of one bucket of a target, in chunks of at most
+    /// `MAX_USERS_PER_WRITE` users (one event per chunk in per-event mode),
+    /// each through the fence. Retries a chunk until it lands.
+    async fn count_bucket(
         &self,
-        target: &TargetId,
+        (target, bucket): (&TargetId, Bucket),
         events: &[Transition],
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
@@ -231,8 +240,8 @@ impl Worker<'_> {
                 match fence::write(
                     self.stats,
                     Some(self.cache),
-                    target,
-                    Scope::Users(&users),
+                    (target, bucket),
+                    &users,
                     None,
                     &mut counting,
                 )
@@ -338,7 +347,6 @@ impl Fold for Counting<'_> {
                 totals: ledger.totals,
                 target_type: self.events.first().map(|t| t.target_type),
                 users: ledger.changed_rows(),
-                more: false,
             }
         };
         self.ledger = ledger;

@@ -193,6 +193,18 @@ impl Totals {
         Totals(std::array::from_fn(|i| (self.0[i] + delta.0[i]).max(0)))
     }
 
+    /// Two disjoint sets of voters' totals together: a target's from its
+    /// buckets'.
+    pub fn plus(self, other: Totals) -> Totals {
+        Totals(std::array::from_fn(|i| self.0[i] + other.0[i]))
+    }
+
+    /// These totals without some voters' (never below zero: totals that
+    /// did not count them were damaged, and reconcile replaces them).
+    pub fn minus(self, other: Totals) -> Totals {
+        Totals(std::array::from_fn(|i| (self.0[i] - other.0[i]).max(0)))
+    }
+
     /// The totals that a set of per-user states adds up to.
     pub fn count<I: IntoIterator<Item = Reaction>>(states: I) -> Totals {
         states.into_iter().fold(Totals::default(), |acc, state| {

@@ -9,6 +9,8 @@ use futures::TryStreamExt;
 use scylla::client::session::Session;
 use sha2::{Digest, Sha256};
 
+use crate::domain::Layout;
+
 /// One numbered migration, compiled into the binary so `tally migrate` needs
 /// nothing beside it.
 pub struct Migration {
@@ -31,6 +33,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!("0002_target_stats"),
     migration!("0003_reconcile"),
     migration!("0004_outbox"),
+    migration!("0005_stats_buckets"),
     #[cfg(feature = "third-reaction")]
     migration!("feature/9001_love"),
 ];
@@ -153,6 +156,8 @@ fn checksum(cql: &str) -> String {
 pub struct Report {
     pub applied: Vec<&'static str>,
     pub already: Vec<&'static str>,
+    /// The bucket count of the keyspace.
+    pub layout: Option<Layout>,
 }
 
 /// Creates the keyspace if needed and applies pending migrations in order,
@@ -162,6 +167,7 @@ pub async fn run(
     session: &Session,
     keyspace: &str,
     replication: &Replication,
+    buckets: Option<Layout>,
 ) -> anyhow::Result<Report> {
     check_keyspace_name(keyspace).map_err(anyhow::Error::msg)?;
     ddl(
@@ -215,7 +221,37 @@ pub async fn run(
             }
         }
     }
+    report.layout = Some(fix_layout(session, buckets).await?);
     Ok(report)
+}
+
+/// The bucket count a new keyspace gets unless `tally migrate` is told
+/// otherwise: 10 million voters on one target make partitions of about
+/// 625,000 rows (see docs/operations.md, "Sizing the buckets").
+pub const DEFAULT_BUCKETS: u32 = 16;
+
+/// Writes the bucket count once, the first time the keyspace is migrated,
+/// and refuses a different one later: changing it would move users between
+/// buckets, and their applied rows with them.
+async fn fix_layout(session: &Session, wanted: Option<Layout>) -> anyhow::Result<Layout> {
+    let first = wanted.map_or(i64::from(DEFAULT_BUCKETS), |l| i64::from(l.count()));
+    let mut insert = scylla::statement::unprepared::Statement::new(
+        "INSERT INTO settings (name, value) VALUES ('stats_buckets', ?) IF NOT EXISTS",
+    );
+    insert.set_consistency(scylla::statement::Consistency::Quorum);
+    session
+        .query_unpaged(insert, (first,))
+        .await
+        .context("Failed to record the bucket count")?;
+    let fixed = super::read_layout(session).await?;
+    if let Some(w) = wanted.filter(|w| *w != fixed) {
+        bail!(
+            "the keyspace was created with {} buckets per target, and the count cannot change (asked for {})",
+            fixed.count(),
+            w.count()
+        );
+    }
+    Ok(fixed)
 }
 
 /// Schema changes wait for every node; they get far longer than queries.
@@ -291,13 +327,15 @@ mod tests {
     }
 
     #[test]
-    fn every_migration_splits_into_create_statements() {
+    fn every_migration_splits_into_schema_statements() {
         for m in MIGRATIONS {
             let stmts = statements(m.cql);
             assert!(!stmts.is_empty(), "{} has no statements", m.id);
             for s in stmts {
                 assert!(
-                    s.starts_with("CREATE ") || s.starts_with("ALTER "),
+                    s.starts_with("CREATE ")
+                        || s.starts_with("ALTER ")
+                        || s.starts_with("DROP TABLE IF EXISTS "),
                     "{}: {s}",
                     m.id
                 );

@@ -20,6 +20,8 @@ use scylla::errors::{DbError, ExecutionError, RequestAttemptError};
 use scylla::policies::load_balancing::DefaultPolicy;
 use scylla::statement::{Consistency, SerialConsistency};
 
+use crate::domain::{Layout, UserId};
+
 /// Where Cassandra is and how to talk to it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct CassandraConfig {
@@ -187,6 +189,34 @@ pub async fn connect_keyspace(config: &CassandraConfig) -> anyhow::Result<Sessio
     Ok(session)
 }
 
+/// The bucket count the keyspace was created with (see `domain::bucket`).
+pub async fn read_layout(session: &Session) -> anyhow::Result<Layout> {
+    let mut read = scylla::statement::unprepared::Statement::new(
+        "SELECT value FROM settings WHERE name = 'stats_buckets'",
+    );
+    read.set_consistency(scylla::statement::Consistency::Quorum);
+    let value = session
+        .query_unpaged(read, ())
+        .await
+        .context("Failed to read the bucket count; has `tally migrate` run?")?
+        .into_rows_result()
+        .context("Failed to read the bucket count")?
+        .maybe_first_row::<(Option<i64>,)>()
+        .context("Failed to read the bucket count")?
+        .and_then(|(v,)| v)
+        .context("The keyspace has no bucket count; run `tally migrate`")?;
+    Ok(Layout::new(value)?)
+}
+
+/// The Murmur3 token Cassandra gives a partition keyed by this user id: it
+/// decides the user's bucket, and the order of a bucket's applied rows.
+pub fn token_of(user: &UserId) -> i64 {
+    use scylla::routing::partitioner::{Murmur3Partitioner, Partitioner};
+    Murmur3Partitioner
+        .hash_one(user.as_str().as_bytes())
+        .value()
+}
+
 /// Why a read or a plain write failed. A conditional write answers `Cas`
 /// instead, because its failure may still have applied.
 #[derive(Debug, thiserror::Error)]
@@ -344,6 +374,8 @@ pub struct Store {
     pub stats: stats::Stats,
     pub targets: targets::Targets,
     pub outbox: outbox::Outbox,
+    /// The keyspace's bucket count.
+    pub layout: Layout,
     session: Arc<Session>,
     ping: scylla::statement::prepared::PreparedStatement,
 }
@@ -355,9 +387,11 @@ impl Store {
         let session = Arc::new(connect_keyspace(config).await?);
         let ttl = i32::try_from(key_ttl.as_secs()).unwrap_or(i32::MAX).max(1);
         let levels = config.serial.levels();
+        let layout = read_layout(&session).await?;
         Ok(Store {
+            layout,
             reactions: reactions::Reactions::prepare(session.clone(), ttl, levels).await?,
-            stats: stats::Stats::prepare(session.clone(), levels).await?,
+            stats: stats::Stats::prepare(session.clone(), levels, layout).await?,
             targets: targets::Targets::prepare(session.clone()).await?,
             outbox: outbox::Outbox::prepare(session.clone(), ttl, levels).await?,
             ping: session

@@ -121,10 +121,12 @@ impl Reactions {
             .await
             .context("prepare states")?;
 
-        // Served by the reactions_by_target SAI index; reconcile only.
+        // Served by the reactions_by_target SAI index; reconcile only. The
+        // rows come in token order, a range of tokens (a bucket) at a time.
         let by_target = session
             .prepare(
-                "SELECT user_id, state, version, updated_at FROM reactions WHERE target_id = ?",
+                "SELECT token(user_id), user_id, state, version, updated_at FROM reactions \
+                 WHERE target_id = ? AND token(user_id) >= ? AND token(user_id) <= ? LIMIT ?",
             )
             .await
             .context("prepare by target")?;
@@ -328,19 +330,29 @@ impl Reactions {
 }
 
 impl Reactions {
-    /// Every user's row for one target, paged through the SAI index: the
-    /// truth reconcile counts from.
-    pub async fn by_target(&self, target: &TargetId) -> Result<Vec<(UserId, Counted)>, StoreError> {
-        let rows: Vec<ByTargetRow> =
-            super::all_rows(&self.session, &self.by_target, (target.as_str(),)).await?;
+    /// At most `limit` rows of one target whose users' tokens fall in
+    /// `from..=to`, in token order, read through the SAI index.
+    pub async fn by_target(
+        &self,
+        target: &TargetId,
+        (from, to): (i64, i64),
+        limit: i32,
+    ) -> Result<Vec<(i64, UserId, Counted)>, StoreError> {
+        let rows: Vec<ByTargetRow> = super::all_rows(
+            &self.session,
+            &self.by_target,
+            (target.as_str(), from, to, limit),
+        )
+        .await?;
         let mut out = Vec::with_capacity(rows.len());
-        for (user, state, version, updated_at) in rows {
+        for (token, user, state, version, updated_at) in rows {
             let (Ok(user), Some(Ok(state)), Some(version)) =
                 (UserId::parse(&user), state.map(|s| s.parse()), version)
             else {
                 continue;
             };
             out.push((
+                token,
                 user,
                 Counted {
                     current: Current { state, version },
@@ -354,8 +366,14 @@ impl Reactions {
     }
 }
 
-/// user_id, state, version, updated_at.
-type ByTargetRow = (String, Option<String>, Option<i64>, Option<CqlTimestamp>);
+/// token(user_id), user_id, state, version, updated_at.
+type ByTargetRow = (
+    i64,
+    String,
+    Option<String>,
+    Option<i64>,
+    Option<CqlTimestamp>,
+);
 
 /// A row as reconcile reads it: the reaction, and when it last changed
 /// (none for a row written without it, which counts as long ago).

@@ -1,11 +1,13 @@
-//! The `target_stats` table: durable per-target totals and the per-user
-//! versions they include. Only the consumer and reconcile write it, and every
-//! write is one conditional batch fenced on the partition's `seq`.
+//! The `target_stats` table: durable totals and the per-user versions they
+//! include, one partition per bucket of a target (see `domain::bucket`).
+//! Only the consumer and reconcile write it, and every write is one
+//! conditional batch fenced on the bucket's `seq`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
 use scylla::client::session::Session;
 use scylla::serialize::SerializationError;
 use scylla::serialize::row::{RowSerializationContext, SerializeRow};
@@ -15,14 +17,12 @@ use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
 use scylla::value::{CqlValue, MaybeUnset};
 
-use super::{Cas, StoreError, classify};
+use super::{Cas, StoreError, classify, token_of};
 use crate::domain::reaction::N_COUNTED;
-use crate::domain::{Applied, Reaction, TargetId, TargetType, Totals, UserId};
+use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, TargetType, Totals, UserId};
 
-/// Most users one fenced write may carry, keeping the batch well under
-/// Cassandra's batch size limits. Larger groups are written in chunks, each
-/// self-consistent (its totals include exactly the users it records).
-pub const MAX_USERS_PER_WRITE: usize = 200;
+/// Buckets of one target read at once when all of them are needed.
+const HEAD_READS_IN_FLIGHT: usize = 16;
 
 /// Which read a fenced writer needs: a plain LOCAL_QUORUM read, or one at
 /// LOCAL_SERIAL, which first completes any Paxos round still in flight on the
@@ -33,17 +33,30 @@ pub enum ReadAt {
     Serial,
 }
 
-/// A target's static columns: the fence and the totals.
+/// A bucket's static columns: the fence and the bucket's totals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Head {
-    /// `None` when nothing was ever written for the target.
+    /// `None` when nothing was ever written to the bucket.
     pub seq: Option<i64>,
     pub totals: Totals,
     pub target_type: Option<TargetType>,
 }
 
+/// The heads of all of a target's buckets, in bucket order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heads(pub Vec<Head>);
+
+impl Heads {
+    /// The target's totals: the sum of its buckets'.
+    pub fn totals(&self) -> Totals {
+        self.0
+            .iter()
+            .fold(Totals::default(), |sum, h| sum.plus(h.totals))
+    }
+}
+
 /// One fenced write: the new totals and the applied rows of some users, if
-/// the partition's `seq` is still `read_seq`. It sets `seq` to `read_seq + 1`.
+/// the bucket's `seq` is still `read_seq`. It sets `seq` to `read_seq + 1`.
 #[derive(Debug, Clone, Copy)]
 pub struct FencedWrite<'a> {
     pub read_seq: Option<i64>,
@@ -53,26 +66,39 @@ pub struct FencedWrite<'a> {
     pub users: &'a [(UserId, Applied)],
 }
 
+/// An applied row, with the token it is clustered by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppliedRow {
+    pub token: i64,
+    pub user: UserId,
+    pub applied: Applied,
+}
+
 pub struct Stats {
+    layout: Layout,
     levels: super::Levels,
     session: Arc<Session>,
     head: PreparedStatement,
     head_serial: PreparedStatement,
     applied_of: PreparedStatement,
-    applied_all: PreparedStatement,
+    applied_page: PreparedStatement,
     write_head: PreparedStatement,
     write_user: PreparedStatement,
 }
 
-type AppliedRow = (Option<String>, Option<i64>, Option<String>);
+type StoredRow = (Option<i64>, Option<String>, Option<i64>, Option<String>);
 
 impl Stats {
-    pub async fn prepare(session: Arc<Session>, levels: super::Levels) -> anyhow::Result<Stats> {
+    pub async fn prepare(
+        session: Arc<Session>,
+        levels: super::Levels,
+        layout: Layout,
+    ) -> anyhow::Result<Stats> {
         // One column per counted reaction, named after its total.
         let totals = Reaction::total_names().collect::<Vec<_>>();
         // Only static columns: LIMIT 1 returns the partition's one value.
         let head_cql = format!(
-            "SELECT {}, seq, target_type FROM target_stats WHERE target_id = ? LIMIT 1",
+            "SELECT {}, seq, target_type FROM target_stats WHERE target_id = ? AND bucket = ? LIMIT 1",
             totals.join(", ")
         );
         let head = session
@@ -86,22 +112,23 @@ impl Stats {
         head_serial.set_consistency(levels.serial_read);
         let applied_of = session
             .prepare(
-                "SELECT user_id, applied_version, applied_state FROM target_stats \
-                 WHERE target_id = ? AND user_id IN ?",
+                "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
+                 WHERE target_id = ? AND bucket = ? AND (user_token, user_id) IN ?",
             )
             .await
             .context("prepare applied rows of users")?;
-        let applied_all = session
+        let applied_page = session
             .prepare(
-                "SELECT user_id, applied_version, applied_state FROM target_stats \
-                 WHERE target_id = ?",
+                "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
+                 WHERE target_id = ? AND bucket = ? AND user_token >= ? AND user_token <= ? LIMIT ?",
             )
             .await
-            .context("prepare all applied rows")?;
+            .context("prepare a page of applied rows")?;
         let set_totals: Vec<String> = totals.iter().map(|t| format!("{t} = ?")).collect();
         let write_head = session
             .prepare(format!(
-                "UPDATE target_stats SET {}, seq = ?, target_type = ? WHERE target_id = ? IF seq = ?",
+                "UPDATE target_stats SET {}, seq = ?, target_type = ? \
+                 WHERE target_id = ? AND bucket = ? IF seq = ?",
                 set_totals.join(", ")
             ))
             .await
@@ -109,35 +136,65 @@ impl Stats {
         let write_user = session
             .prepare(
                 "UPDATE target_stats SET applied_version = ?, applied_state = ? \
-                 WHERE target_id = ? AND user_id = ?",
+                 WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = ?",
             )
             .await
             .context("prepare user write")?;
         Ok(Stats {
+            layout,
             levels,
             session,
             head,
             head_serial,
             applied_of,
-            applied_all,
+            applied_page,
             write_head,
             write_user,
         })
     }
 
-    /// The durable totals of one target; zeros if nothing was counted yet.
-    pub async fn totals(&self, target: &TargetId) -> Result<Totals, StoreError> {
-        Ok(self.head(target, ReadAt::Quorum).await?.totals)
+    /// The keyspace's bucket count.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
-    /// The fence and the totals.
-    pub async fn head(&self, target: &TargetId, at: ReadAt) -> Result<Head, StoreError> {
+    /// The bucket a user's applied row lives in.
+    pub fn bucket_of(&self, user: &UserId) -> Bucket {
+        self.layout.of_token(token_of(user))
+    }
+
+    /// The durable totals of one target: the sum of its buckets'.
+    pub async fn totals(&self, target: &TargetId) -> Result<Totals, StoreError> {
+        Ok(self.heads(target).await?.totals())
+    }
+
+    /// The head of every bucket of a target, read in parallel (never the
+    /// voters: one static row per bucket).
+    pub async fn heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
+        let reads = self
+            .layout
+            .buckets()
+            .map(|b| self.head(target, b, ReadAt::Quorum));
+        let heads: Vec<Head> = futures::stream::iter(reads)
+            .buffered(HEAD_READS_IN_FLIGHT)
+            .try_collect()
+            .await?;
+        Ok(Heads(heads))
+    }
+
+    /// One bucket's fence and totals.
+    pub async fn head(
+        &self,
+        target: &TargetId,
+        bucket: Bucket,
+        at: ReadAt,
+    ) -> Result<Head, StoreError> {
         let stmt = match at {
             ReadAt::Quorum => &self.head,
             ReadAt::Serial => &self.head_serial,
         };
         let row: Option<scylla::value::Row> =
-            super::first_row(&self.session, stmt, (target.as_str(),)).await?;
+            super::first_row(&self.session, stmt, (target.as_str(), bucket.column())).await?;
         let columns = row.map(|r| r.columns).unwrap_or_default();
         let bigint = |i: usize| match columns.get(i) {
             Some(Some(CqlValue::BigInt(n))) => Some(*n),
@@ -155,32 +212,47 @@ impl Stats {
         })
     }
 
-    /// The applied rows of `users`. Read after `head`: a write that lands in
-    /// between moves the fence, so it cannot go unnoticed.
+    /// The applied rows of `users`, all of them in `bucket`. Read after
+    /// `head`: a write that lands in between moves the fence, so it cannot
+    /// go unnoticed.
     pub async fn applied_of(
         &self,
         target: &TargetId,
+        bucket: Bucket,
         users: &[&UserId],
     ) -> Result<HashMap<UserId, Applied>, StoreError> {
-        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
-        let rows: Vec<AppliedRow> =
-            super::all_rows(&self.session, &self.applied_of, (target.as_str(), ids)).await?;
-        Ok(applied_map(rows))
+        let keys: Vec<(i64, &str)> = users.iter().map(|u| (token_of(u), u.as_str())).collect();
+        let rows: Vec<StoredRow> = super::all_rows(
+            &self.session,
+            &self.applied_of,
+            (target.as_str(), bucket.column(), keys),
+        )
+        .await?;
+        Ok(parse_rows(rows).map(|r| (r.user, r.applied)).collect())
     }
 
-    /// Every applied row of the target, page by page.
-    pub async fn applied_all(
+    /// At most `limit` applied rows of a bucket with tokens in `from..=to`,
+    /// in clustering order: by token, then user id.
+    pub async fn applied_page(
         &self,
         target: &TargetId,
-    ) -> Result<HashMap<UserId, Applied>, StoreError> {
-        let rows: Vec<AppliedRow> =
-            super::all_rows(&self.session, &self.applied_all, (target.as_str(),)).await?;
-        Ok(applied_map(rows))
+        bucket: Bucket,
+        (from, to): (i64, i64),
+        limit: i32,
+    ) -> Result<Vec<AppliedRow>, StoreError> {
+        let rows: Vec<StoredRow> = super::all_rows(
+            &self.session,
+            &self.applied_page,
+            (target.as_str(), bucket.column(), from, to, limit),
+        )
+        .await?;
+        Ok(parse_rows(rows).collect())
     }
 
-    /// Writes the totals and the applied rows in one conditional batch on
-    /// the partition's `seq`.
-    pub async fn write(&self, target: &TargetId, w: &FencedWrite<'_>) -> Cas {
+    /// Writes a bucket's totals and applied rows in one conditional batch on
+    /// the bucket's `seq`. Every user must belong to `bucket`.
+    pub async fn write(&self, target: &TargetId, bucket: Bucket, w: &FencedWrite<'_>) -> Cas {
+        debug_assert!(w.users.iter().all(|(u, _)| self.bucket_of(u) == bucket));
         let mut batch = Batch::new(BatchType::Unlogged);
         batch.set_consistency(self.levels.quorum);
         batch.set_serial_consistency(Some(self.levels.serial));
@@ -192,6 +264,7 @@ impl Stats {
         let totals = w.totals.values();
         let next_seq = w.read_seq.unwrap_or(0) + 1;
         let target_id = target.as_str();
+        let column = bucket.column();
         let mut head: Vec<&(dyn SerializeValue + Sync)> = totals
             .iter()
             .map(|t| t as &(dyn SerializeValue + Sync))
@@ -200,6 +273,7 @@ impl Stats {
             &next_seq as &(dyn SerializeValue + Sync),
             &kind,
             &target_id,
+            &column,
             &w.read_seq,
         ]);
         let mut values = Vec::with_capacity(w.users.len() + 1);
@@ -209,7 +283,9 @@ impl Stats {
             values.push(Row::User((
                 a.version,
                 a.state.as_str(),
-                target.as_str(),
+                target_id,
+                column,
+                token_of(user),
                 user.as_str(),
             )));
         }
@@ -217,26 +293,31 @@ impl Stats {
     }
 }
 
-/// A partition holding only its static columns answers one row with a null
-/// user_id; it, and rows that do not parse, are skipped.
-fn applied_map(rows: Vec<AppliedRow>) -> HashMap<UserId, Applied> {
-    let mut applied = HashMap::new();
-    for (user, version, state) in rows {
-        let (Some(Ok(user)), Some(version)) = (user.as_deref().map(UserId::parse), version) else {
-            continue;
-        };
-        let state = state
-            .and_then(|s| s.parse::<Reaction>().ok())
-            .unwrap_or(Reaction::None);
-        applied.insert(user, Applied { version, state });
-    }
-    applied
+/// A partition holding only its static columns answers one row with null
+/// clustering columns; it, and rows that do not parse, are skipped.
+fn parse_rows(rows: Vec<StoredRow>) -> impl Iterator<Item = AppliedRow> {
+    rows.into_iter()
+        .filter_map(|(token, user, version, state)| {
+            let (Some(token), Some(Ok(user)), Some(version)) =
+                (token, user.as_deref().map(UserId::parse), version)
+            else {
+                return None;
+            };
+            let state = state
+                .and_then(|s| s.parse::<Reaction>().ok())
+                .unwrap_or(Reaction::None);
+            Some(AppliedRow {
+                token,
+                user,
+                applied: Applied { version, state },
+            })
+        })
 }
 
 /// The values of one statement of a stats batch: the statics, or one user.
 enum Row<'a> {
     Head(Vec<&'a (dyn SerializeValue + Sync)>),
-    User((i64, &'a str, &'a str, &'a str)),
+    User((i64, &'a str, &'a str, i32, i64, &'a str)),
 }
 
 impl SerializeRow for Row<'_> {

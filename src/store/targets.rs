@@ -16,11 +16,15 @@ use crate::domain::{TargetId, TargetType};
 const REMEMBERED: usize = 100_000;
 
 /// A sweep's resume point.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Checkpoint {
+    /// The token of the last target done.
     pub last_token: Option<i64>,
     pub checked: i64,
     pub drifted: i64,
+    /// The target after it, if the sweep stopped inside it, and the bucket
+    /// to go on from.
+    pub in_target: Option<(String, u32)>,
 }
 
 pub struct Targets {
@@ -47,12 +51,13 @@ impl Targets {
                 .await
                 .context("prepare next page")?,
             read_checkpoint: session
-                .prepare("SELECT last_token, checked, drifted FROM reconcile_checkpoints WHERE name = ?")
+                .prepare("SELECT last_token, checked, drifted, in_target, next_bucket FROM reconcile_checkpoints WHERE name = ?")
                 .await?,
             write_checkpoint: session
                 .prepare(
-                    "INSERT INTO reconcile_checkpoints (name, last_token, checked, drifted, updated_at) \
-                     VALUES (?, ?, ?, ?, toTimestamp(now()))",
+                    "INSERT INTO reconcile_checkpoints \
+                     (name, last_token, checked, drifted, in_target, next_bucket, updated_at) \
+                     VALUES (?, ?, ?, ?, ?, ?, toTimestamp(now()))",
                 )
                 .await?,
             delete_checkpoint: session.prepare("DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
@@ -97,20 +102,37 @@ impl Targets {
     }
 
     pub async fn checkpoint(&self, name: &str) -> Result<Option<Checkpoint>, StoreError> {
-        let row: Option<(Option<i64>, Option<i64>, Option<i64>)> =
+        type Row = (
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<String>,
+            Option<i32>,
+        );
+        let row: Option<Row> =
             super::first_row(&self.session, &self.read_checkpoint, (name,)).await?;
-        Ok(row.map(|(last_token, checked, drifted)| Checkpoint {
-            last_token,
-            checked: checked.unwrap_or(0),
-            drifted: drifted.unwrap_or(0),
-        }))
+        Ok(row.map(
+            |(last_token, checked, drifted, in_target, bucket)| Checkpoint {
+                last_token,
+                checked: checked.unwrap_or(0),
+                drifted: drifted.unwrap_or(0),
+                in_target: in_target.zip(bucket.and_then(|b| u32::try_from(b).ok())),
+            },
+        ))
     }
 
     pub async fn save_checkpoint(&self, name: &str, c: &Checkpoint) -> Result<(), StoreError> {
         self.session
             .execute_unpaged(
                 &self.write_checkpoint,
-                (name, c.last_token, c.checked, c.drifted),
+                (
+                    name,
+                    c.last_token,
+                    c.checked,
+                    c.drifted,
+                    c.in_target.as_ref().map(|(t, _)| t.as_str()),
+                    c.in_target.as_ref().map(|(_, b)| *b as i32),
+                ),
             )
             .await
             .map_err(super::request_failed)?;

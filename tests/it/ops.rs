@@ -47,7 +47,7 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
         );
     }
     env.wait_until_no_drift(Duration::from_secs(60)).await;
-    env.cql("UPDATE target_stats SET likes = 55 WHERE target_id = 't0'")
+    env.cql("UPDATE target_stats SET likes = 55 WHERE target_id = 't0' AND bucket = 1")
         .await;
     env.reconciler()
         .await

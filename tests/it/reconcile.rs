@@ -30,8 +30,13 @@ async fn overwritten_totals_are_restored_by_reconcile_target() -> TestResult {
     env.votes_counted(&app, &mut Rng(1), 120, 30, 3).await;
     let truth = env.recount().await;
 
-    env.cql("UPDATE target_stats SET likes = 999, dislikes = 7 WHERE target_id = 't1'")
-        .await;
+    env.cql(
+        "UPDATE target_stats SET likes = 999, dislikes = 7 WHERE target_id = 't1' AND bucket = 0",
+    )
+    .await;
+    // The target's stored totals: the damaged bucket's plus the others'.
+    let damaged = env.stats().await["t1"].likes();
+    assert!(damaged >= 999);
     let out = env
         .tally()
         .args(["reconcile", "--target", "t1", "--target", "t2", "--json"])
@@ -46,7 +51,7 @@ async fn overwritten_totals_are_restored_by_reconcile_target() -> TestResult {
     assert_eq!(summary["targets_checked"], 2);
     assert_eq!(summary["targets_drifted"], 1);
     assert_eq!(summary["corrections"][0]["target_id"], "t1");
-    assert_eq!(summary["corrections"][0]["totals_before"]["likes"], 999);
+    assert_eq!(summary["corrections"][0]["totals_before"]["likes"], damaged);
     assert_eq!(
         summary["corrections"][0]["totals_after"]["likes"],
         truth["t1"].likes()
@@ -70,8 +75,12 @@ async fn a_deleted_user_row_is_recounted_not_off_by_one() -> TestResult {
     consumer.stop().await;
 
     // The totals still include alice, but her applied row is gone.
-    env.cql("DELETE FROM target_stats WHERE target_id = 'video_x' AND user_id = 'alice'")
-        .await;
+    let (bucket, token) = env.place_of("alice");
+    env.cql(&format!(
+        "DELETE FROM target_stats WHERE target_id = 'video_x' AND bucket = {bucket} \
+         AND user_token = {token} AND user_id = 'alice'"
+    ))
+    .await;
     // No lag grace: alice voted seconds ago, and without her applied row
     // she would look in flight; the totals give the damage away regardless.
     let report = env
@@ -152,7 +161,7 @@ async fn a_dry_run_reports_drift_and_changes_nothing() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     env.votes_counted(&app, &mut Rng(2), 60, 20, 2).await;
-    env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0'")
+    env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0' AND bucket = 2")
         .await;
     let damaged = env.stats().await;
 
@@ -208,14 +217,16 @@ async fn reconcile_all_finds_every_drifted_target_among_thousands_and_resumes_af
     // Three kinds of damage on 30 targets.
     for i in 0..10 {
         env.cql(&format!(
-            "UPDATE target_stats SET likes = 77 WHERE target_id = 't{}'",
-            i * 197
+            "UPDATE target_stats SET likes = 77 WHERE target_id = 't{}' AND bucket = {}",
+            i * 197,
+            i % 4
         ))
         .await;
+        let (bucket, token) = env.place_of("u0");
         env.cql(&format!(
-            "DELETE FROM target_stats WHERE target_id = 't{}' AND user_id = 'u{}'",
+            "DELETE FROM target_stats WHERE target_id = 't{}' AND bucket = {bucket} \
+             AND user_token = {token} AND user_id = 'u0'",
             i * 193 + 1,
-            0
         ))
         .await;
         env.cql(&format!(
@@ -329,8 +340,10 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() -> TestRe
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
     env.votes_counted(&app, &mut Rng(9), 40, 10, 1).await;
-    env.cql("UPDATE target_stats SET dislikes = 1234 WHERE target_id = 't0'")
+    env.cql("UPDATE target_stats SET dislikes = 1234 WHERE target_id = 't0' AND bucket = 3")
         .await;
+    let damaged = env.stats().await["t0"].dislikes();
+    assert!(damaged >= 1234);
     let url = format!("{}/v1/admin/reconcile/t0", app.address);
 
     let user = app
@@ -353,7 +366,7 @@ async fn support_can_reconcile_one_target_online_with_an_admin_token() -> TestRe
         "{admin:?}"
     );
     assert_eq!(admin.status, 200);
-    assert_eq!(admin.json()["totals_before"]["dislikes"], 1234);
+    assert_eq!(admin.json()["totals_before"]["dislikes"], damaged);
     assert_eq!(admin.json()["repaired"], true);
     Ok(())
 }
@@ -374,18 +387,25 @@ async fn reconcile_repairs_a_ghost_applied_row_and_a_wrong_state_at_the_right_ve
 
     // A ghost: a user counted who has no row in `reactions` (an injected
     // event, say), and ben counted at his version but with the wrong state.
-    env.cql(
+    let (ghost_bucket, ghost_token) = env.place_of("ghost");
+    env.cql(&format!(
         "UPDATE target_stats SET applied_version = 3, applied_state = 'dislike' \
-         WHERE target_id = 'video_g' AND user_id = 'ghost'",
-    )
+         WHERE target_id = 'video_g' AND bucket = {ghost_bucket} \
+         AND user_token = {ghost_token} AND user_id = 'ghost'",
+    ))
     .await;
-    env.cql(
+    let (ben_bucket, ben_token) = env.place_of("ben");
+    env.cql(&format!(
         "UPDATE target_stats SET applied_state = 'dislike' \
-         WHERE target_id = 'video_g' AND user_id = 'ben'",
-    )
+         WHERE target_id = 'video_g' AND bucket = {ben_bucket} \
+         AND user_token = {ben_token} AND user_id = 'ben'",
+    ))
     .await;
-    env.cql("UPDATE target_stats SET likes = 1, dislikes = 3 WHERE target_id = 'video_g'")
-        .await;
+    env.cql(&format!(
+        "UPDATE target_stats SET likes = 1, dislikes = 3 WHERE target_id = 'video_g' \
+         AND bucket = {ben_bucket}"
+    ))
+    .await;
     assert_ne!(env.stats().await, truth);
 
     let report = env
@@ -476,7 +496,7 @@ async fn rows_within_the_lag_grace_are_counted_but_are_not_drift() -> TestResult
     Ok(())
 }
 
-/// Another writer of one target's fence, as a consumer on a hot target is:
+/// Another writer of one bucket's fence, as a consumer on a hot target is:
 /// each round writes the totals it read, moving `seq` and nothing else.
 struct MoveFence;
 
@@ -490,7 +510,6 @@ impl tally::fence::Fold for MoveFence {
             totals: read.head.totals,
             target_type: read.head.target_type,
             users: Vec::new(),
-            more: false,
         })
     }
 }
@@ -534,12 +553,12 @@ async fn the_sweep_skips_a_target_another_writer_keeps_writing_and_finishes_the_
         writers.push(tokio::spawn(async move {
             let mut moves = 0u64;
             while !*stop.borrow() {
-                let users = [&nobody];
+                let bucket = store.stats.bucket_of(&nobody);
                 let done = tally::fence::write(
                     &store.stats,
                     None,
-                    &hot,
-                    tally::fence::Scope::Users(&users),
+                    (&hot, bucket),
+                    &[&nobody],
                     Some(1),
                     &mut MoveFence,
                 )
@@ -596,6 +615,7 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
     let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
     let stats = &store.stats;
     let ann = UserId::parse("ann")?;
+    let b = stats.bucket_of(&ann);
     let liked = Applied {
         version: 1,
         state: Reaction::Like,
@@ -609,14 +629,14 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
             target_type: None,
             users: &users,
         };
-        stats.write(&t, &w).await
+        stats.write(&t, b, &w).await
     };
     // The other writer (reconcile, or the partition's previous owner)
     // counts ann's like at version 1.
     let other_writer = |t: TargetId| {
         let ann = ann.clone();
         async move {
-            let head = stats.head(&t, ReadAt::Quorum).await?;
+            let head = stats.head(&t, b, ReadAt::Quorum).await?;
             let mut ledger = Ledger::new(head.totals, Default::default());
             ledger.apply_row(&ann, 1, Reaction::Like);
             anyhow::Ok(write(t, head.seq, ledger).await)
@@ -632,9 +652,9 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
 
     // Rows first, then the head: the other write lands in between.
     let t = target("rows_first");
-    let rows = stats.applied_of(&t, &[&ann]).await?;
+    let rows = stats.applied_of(&t, b, &[&ann]).await?;
     assert!(matches!(other_writer(t.clone()).await?, Cas::Applied));
-    let head = stats.head(&t, ReadAt::Quorum).await?;
+    let head = stats.head(&t, b, ReadAt::Quorum).await?;
     assert!(
         matches!(this_writer(t.clone(), head, rows).await, Cas::Applied),
         "the fence it read was already the new one"
@@ -647,9 +667,9 @@ async fn a_writer_landing_between_the_reads_double_counts_rows_first_and_is_refu
 
     // Head first, then the rows: the same interleaving moves the fence.
     let t = target("head_first");
-    let head = stats.head(&t, ReadAt::Quorum).await?;
+    let head = stats.head(&t, b, ReadAt::Quorum).await?;
     assert!(matches!(other_writer(t.clone()).await?, Cas::Applied));
-    let rows = stats.applied_of(&t, &[&ann]).await?;
+    let rows = stats.applied_of(&t, b, &[&ann]).await?;
     assert_eq!(rows.get(&ann), Some(&liked));
     assert!(
         matches!(this_writer(t.clone(), head, rows).await, Cas::NotApplied),

@@ -102,17 +102,28 @@ async fn redis_stores_and_returns_a_key() -> TestResult {
 }
 
 #[tokio::test]
-async fn migrate_twice_applies_nothing_the_second_time() -> TestResult {
+async fn migrate_twice_applies_nothing_the_second_time_and_keeps_the_bucket_count() -> TestResult {
     let env = TestEnv::new().await;
     let session = store::connect(&env.cassandra).await?;
-    let again = store::migrate::run(
-        &session,
-        &env.cassandra.keyspace,
-        &store::migrate::Replication::Simple(1),
-    )
-    .await?;
+    let simple = store::migrate::Replication::Simple(1);
+    let again = store::migrate::run(&session, &env.cassandra.keyspace, &simple, None).await?;
     assert!(again.applied.is_empty(), "re-applied {:?}", again.applied);
     assert_eq!(again.already.len(), store::migrate::MIGRATIONS.len());
+    let layout = tally::domain::Layout::new(crate::support::TEST_BUCKETS)?;
+    assert_eq!(again.layout, Some(layout), "the count it was created with");
+    // Another count would move users between buckets: refused.
+    let other = tally::domain::Layout::new(8)?;
+    let refused = store::migrate::run(&session, &env.cassandra.keyspace, &simple, Some(other))
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("{e:#}"));
+    assert_eq!(
+        refused,
+        Err(format!(
+            "the keyspace was created with {} buckets per target, and the count cannot change (asked for 8)",
+            layout.count()
+        ))
+    );
     Ok(())
 }
 

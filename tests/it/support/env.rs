@@ -13,6 +13,10 @@ use super::eventually;
 /// across partitions is exercised.
 pub const TEST_PARTITIONS: i32 = 3;
 
+/// Buckets per target in test keyspaces: few, so that a few dozen voters
+/// already spread over all of them.
+pub const TEST_BUCKETS: i64 = 4;
+
 pub struct TestEnv {
     pub id: String,
     pub cassandra: CassandraConfig,
@@ -61,7 +65,8 @@ impl TestEnv {
         let admin = store::connect(&cassandra)
             .await
             .unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
-        store::migrate::run(&admin, &cassandra.keyspace, &replication)
+        let buckets = tally::domain::Layout::new(TEST_BUCKETS).ok();
+        store::migrate::run(&admin, &cassandra.keyspace, &replication, buckets)
             .await
             .unwrap_or_else(|e| panic!("migrate failed: {e:#}"));
         bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, topic_replication)
@@ -164,6 +169,15 @@ impl TestEnv {
             .query_unpaged(stmt, ())
             .await
             .unwrap_or_else(|e| panic!("{stmt}: {e}"));
+    }
+
+    /// Where a user's applied row of a target lives: the `bucket` and
+    /// `user_token` columns of `target_stats`, for CQL that damages it.
+    pub fn place_of(&self, user: &str) -> (i32, i64) {
+        let user = tally::domain::UserId::parse(user).unwrap_or_else(|e| panic!("{e}"));
+        let token = tally::store::token_of(&user);
+        let layout = tally::domain::Layout::new(TEST_BUCKETS).unwrap_or_else(|e| panic!("{e}"));
+        (layout.of_token(token).column(), token)
     }
 
     /// The `tally` binary with this test's keyspace, topics, group and prefix.

@@ -36,7 +36,7 @@ impl TestEnv {
         use scylla::value::CqlValue;
         let columns: Vec<&str> = Reaction::total_names().collect();
         let query = format!(
-            "SELECT target_id, user_id, applied_version, applied_state, {} FROM target_stats",
+            "SELECT target_id, bucket, user_id, applied_version, applied_state, {} FROM target_stats",
             columns.join(", ")
         );
         let rows: Vec<scylla::value::Row> = self
@@ -50,6 +50,7 @@ impl TestEnv {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let mut out = Tallies::new();
+        let mut buckets: BTreeMap<(String, i32), Totals> = BTreeMap::new();
         for row in rows {
             let text = |i: usize| match row.columns.get(i) {
                 Some(Some(CqlValue::Text(t))) => Some(t.clone()),
@@ -59,15 +60,26 @@ impl TestEnv {
                 Some(Some(CqlValue::BigInt(n))) => Some(*n),
                 _ => None,
             };
-            let Some(target) = text(0) else { continue };
+            let (Some(target), Some(Some(CqlValue::Int(bucket)))) = (text(0), row.columns.get(1))
+            else {
+                continue;
+            };
+            // The totals are static: the same on every row of a bucket.
+            buckets.insert(
+                (target.clone(), *bucket),
+                Totals::from_values(std::array::from_fn(|i| bigint(5 + i).unwrap_or(0))),
+            );
             let e = out.entry(target).or_default();
-            e.totals = Totals::from_values(std::array::from_fn(|i| bigint(4 + i).unwrap_or(0)));
             // Version 0 is "never counted": the same as no applied row.
-            if let (Some(u), Some(v), Some(s)) = (text(1), bigint(2), text(3)) {
+            if let (Some(u), Some(v), Some(s)) = (text(2), bigint(3), text(4)) {
                 if v > 0 {
                     e.users.insert(u, (v, s));
                 }
             }
+        }
+        for ((target, _), totals) in buckets {
+            let e = out.entry(target).or_default();
+            e.totals = e.totals.plus(totals);
         }
         out
     }
