@@ -28,17 +28,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use report::{ConsumerRun, RateStep, Results, StoreRun};
-use support::{Zipf, bench_env, histogram, percentiles};
+use support::{Zipf, bench_env, env_num, histogram, percentiles};
 use tally::domain::{Reaction, TargetId, UserId};
 use tally::store::Cas;
 use tally::store::Store;
-
-fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {

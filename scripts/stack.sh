@@ -20,6 +20,12 @@
 #                             Redis; the servers are named cassandra1..3 and kafka1..3. Once up, the
 #                             other commands act on the cluster until `down`. Linux routes all of
 #                             127.0.0.0/8 to the loopback interface, so no setup is needed.
+#   scripts/stack.sh nodetool ARGS
+#                             Cassandra's nodetool against the (first) node's local-only JMX port,
+#                             e.g. `nodetool flush KEYSPACE target_stats` or `nodetool tablestats`
+#   scripts/stack.sh sstablepartitions ARGS
+#                             Cassandra's sstablepartitions: the largest partitions of SSTables, in
+#                             rows and bytes, read from the files themselves
 #
 # Cassandra and Kafka come from Maven Central (scripts/stack/*/pom.xml); Redis
 # from Debian's redis-server package. State lives under $TALLY_STACK_DIR
@@ -269,7 +275,8 @@ launch_cassandra() {
     fetch_libs cassandra
     mkdir -p "$STACK/cassandra/data" "$LOGS/cassandra" "$STACK/cassandra/conf"
     log "starting cassandra (heap $CASSANDRA_HEAP), log $LOGS/cassandra/cassandra.log"
-    cassandra_jvm cassandra "$CASSANDRA_HEAP" "$CONF/cassandra/cassandra.yaml" "$STACK/cassandra/conf"
+    cassandra_jvm cassandra "$CASSANDRA_HEAP" "$CONF/cassandra/cassandra.yaml" "$STACK/cassandra/conf" \
+        -Dcassandra.jmx.local.port=7199
 }
 
 # Node $3 (1-3) of the cluster on address $2: its own yaml (address, token,
@@ -477,11 +484,52 @@ main() {
             echo "$LOGS"
             ls -1 "$LOGS"
             ;;
+        nodetool)
+            # Against the first node's local-only JMX port (7200 in cluster mode).
+            shift
+            local jmx=7199
+            [ "$(mode)" = cluster ] && jmx=7200
+            cassandra_tool org.apache.cassandra.tools.NodeTool -h 127.0.0.1 -p "$jmx" "$@"
+            ;;
+        sstablepartitions)
+            shift
+            cassandra_tool org.apache.cassandra.tools.SSTablePartitions "$@"
+            ;;
         *)
-            echo "usage: $0 install|up [--cluster]|down|status|logs|start|stop|restart|pid SERVER" >&2
+            echo "usage: $0 install|up [--cluster]|down|status|logs|start|stop|restart|pid SERVER|nodetool ARGS|sstablepartitions ARGS" >&2
             exit 2
             ;;
     esac
+}
+
+# Runs one of Cassandra's tools ($1 its class) from the installed jars, with
+# the flags of Cassandra's conf/jvm17-clients.options.
+cassandra_tool() {
+    JAVA_HOME=${JAVA_HOME:-$(find_java17)} || die "no Java 17; run $0 install"
+    exec "$JAVA_HOME/bin/java" -Xmx256m -cp "$STACK/lib/cassandra/*" \
+        -Dlogback.configurationFile="$CONF/cassandra/logback.xml" -Dcassandra.logdir="$LOGS" \
+        --add-exports java.base/jdk.internal.misc=ALL-UNNAMED \
+        --add-exports java.base/jdk.internal.ref=ALL-UNNAMED \
+        --add-exports java.base/sun.nio.ch=ALL-UNNAMED \
+        --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED \
+        --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED \
+        --add-exports java.sql/java.sql=ALL-UNNAMED \
+        --add-opens java.base/java.lang.module=ALL-UNNAMED \
+        --add-opens java.base/java.net=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.loader=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.ref=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.math=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.module=ALL-UNNAMED \
+        --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED \
+        --add-opens java.base/sun.nio.ch=ALL-UNNAMED \
+        --add-opens java.base/java.io=ALL-UNNAMED \
+        --add-opens java.base/java.lang=ALL-UNNAMED \
+        --add-opens java.base/java.lang.reflect=ALL-UNNAMED \
+        --add-opens java.base/java.util=ALL-UNNAMED \
+        --add-opens java.base/java.nio=ALL-UNNAMED \
+        --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED \
+        "$@"
 }
 
 # True when any server of the current mode's table runs.

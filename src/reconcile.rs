@@ -177,6 +177,8 @@ impl Reconciler {
             .reactions
             .by_target(target, ring, self.page_size)
             .await?;
+        // A large one's heads are read again, each just before its bucket's
+        // walk: by then the ones read here may be long stale.
         let small = everything.len() < self.page_size as usize;
         let mut report = Report::empty(target);
         for (i, (bucket, head)) in buckets.iter().zip(heads).enumerate() {
@@ -186,6 +188,7 @@ impl Reconciler {
                     next: Some(*bucket),
                 });
             }
+            let head = small.then_some(head);
             let known = small.then(|| {
                 let (lo, hi) = layout.range(*bucket);
                 everything
@@ -391,30 +394,31 @@ struct Walk {
 }
 
 impl BucketPass<'_> {
-    /// `head` was read before `known` (a small target's rows, read whole);
-    /// both serve only the first pass, later ones read afresh.
+    /// `head`, if given, was read before `known` (a small target's rows,
+    /// read whole); both serve only the first pass, later ones read afresh.
     async fn run(
         &mut self,
-        head: Head,
+        mut head: Option<Head>,
         mut known: Option<Vec<TruthRow>>,
     ) -> Result<Found, ReconcileError> {
         let store = &self.reconciler.store;
-        let mut head = Some(head);
         let mut lost = 0;
-        self.found.before = head.map(|h| h.totals).unwrap_or_default();
+        let mut at = ReadAt::Quorum;
+        let mut first = true;
         loop {
             if lost >= self.reconciler.max_fence_losses {
                 return Err(ReconcileError::Contention(self.target.to_string()));
             }
             let h = match head.take() {
                 Some(h) => h,
-                None => {
-                    store
-                        .stats
-                        .head(self.target, self.bucket, ReadAt::Serial)
-                        .await?
-                }
+                None => store.stats.head(self.target, self.bucket, at).await?,
             };
+            if first {
+                self.found.before = h.totals;
+                first = false;
+            }
+            // A pass after a lost fence completes any Paxos round in flight.
+            at = ReadAt::Serial;
             let mut walk = Walk {
                 seq: h.seq,
                 stored: h.totals,
@@ -470,14 +474,15 @@ impl BucketPass<'_> {
             // the page ends before the first token either read may not have
             // finished, and the next one starts there.
             let full = |n: usize| n >= limit as usize;
-            let mut end = None;
-            if full(applied.len()) {
-                end = applied.last().map(|r| r.token);
-            }
-            if known.is_none() && full(truth.len()) {
-                let t = truth.last().map(|r| r.0);
-                end = end.min(t).or(end).or(t);
-            }
+            let applied_end = applied
+                .last()
+                .map(|r| r.token)
+                .filter(|_| full(applied.len()));
+            let truth_end = truth
+                .last()
+                .map(|r| r.0)
+                .filter(|_| known.is_none() && full(truth.len()));
+            let end = applied_end.into_iter().chain(truth_end).min();
             if let Some(e) = end {
                 if e == from {
                     return Err(StoreError::Corrupt(format!(

@@ -19,6 +19,14 @@ pub fn stack_up() -> bool {
         })
 }
 
+/// A bench's size from the environment, or its default.
+pub fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 pub fn skip_message(bench: &str) {
     eprintln!("{bench}: the local stack is not up; start it with `scripts/stack.sh up`. Skipping.");
 }

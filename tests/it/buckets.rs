@@ -141,3 +141,84 @@ async fn reconcile_repairs_rows_on_both_sides_of_page_and_bucket_edges() -> Test
     assert!(!again.drifted && !again.repaired, "{again:?}");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_sweep_stopped_inside_a_target_resumes_from_the_bucket_it_was_in() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    env.votes_counted(&app, &mut Rng(17), 200, 60, 1).await;
+    let truth = env.recount().await;
+    env.cql("UPDATE target_stats SET likes = 500 WHERE target_id = 't0' AND bucket = 0")
+        .await;
+    env.cql("UPDATE target_stats SET likes = 700 WHERE target_id = 't0' AND bucket = 3")
+        .await;
+    // Where a sweep stopped inside t0, about to check its bucket 2: just
+    // before t0's token, with t0 and bucket 2 named.
+    let rows: Vec<(i64,)> = env
+        .session
+        .query_unpaged(
+            "SELECT token(target_id) FROM targets WHERE target_id = 't0'",
+            (),
+        )
+        .await?
+        .into_rows_result()?
+        .rows::<(i64,)>()?
+        .collect::<Result<_, _>>()?;
+    let token = rows.first().context("t0 is registered")?.0;
+    env.cql(&format!(
+        "INSERT INTO reconcile_checkpoints (name, last_token, checked, drifted, in_target, next_bucket) \
+         VALUES ('mid', {}, 0, 0, 't0', 2)",
+        token - 1
+    ))
+    .await;
+
+    let reconciler = env.reconciler().await;
+    let options = tally::reconcile::SweepOptions {
+        name: "mid".into(),
+        rate: 0.0,
+        dry_run: false,
+        restart: false,
+        page_size: 50,
+    };
+    let (_never, no_stop) = tokio::sync::watch::channel(false);
+    let resumed = reconciler.sweep(&options, &no_stop, |_| {}).await?;
+    assert!(resumed.complete, "{resumed:?}");
+    assert_eq!(resumed.targets_drifted, 1, "{resumed:?}");
+    let stats = env.stats().await;
+    assert_ne!(
+        stats["t0"], truth["t0"],
+        "bucket 0 was before the resume point: not checked"
+    );
+    assert_eq!(
+        stats["t0"].likes() - truth["t0"].likes(),
+        500 - bucket_likes(&env, 0, &truth).await?,
+        "only bucket 0's damage is left"
+    );
+
+    let whole = reconciler
+        .sweep(
+            &tally::reconcile::SweepOptions {
+                restart: true,
+                ..options
+            },
+            &no_stop,
+            |_| {},
+        )
+        .await?;
+    assert_eq!(whole.targets_drifted, 1, "{whole:?}");
+    assert_eq!(env.stats().await, truth);
+    Ok(())
+}
+
+/// What bucket `bucket` of t0 truly counts: its voters' likes in the truth.
+async fn bucket_likes(
+    env: &TestEnv,
+    bucket: i32,
+    truth: &crate::support::Tallies,
+) -> anyhow::Result<i64> {
+    let users = &truth["t0"].users;
+    Ok(users
+        .iter()
+        .filter(|(u, (_, state))| state == "like" && env.place_of(u).0 == bucket)
+        .count() as i64)
+}
