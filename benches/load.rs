@@ -265,24 +265,14 @@ async fn consumer_section(results: &mut Results) {
             "consumer: counting in {mode:?} mode{}",
             limit.map_or(String::new(), |l| format!(" for at most {}s", l.as_secs()))
         );
-        let config = tally::consumer::ConsumerConfig {
-            group: format!("bench-{mode:?}-{}", std::process::id()),
-            batch_max: 500,
-            batch_wait: Duration::from_millis(50),
-            parallelism: 16,
-            drain_timeout: Duration::from_secs(30),
+        let config = support::consumer_config(
+            format!("bench-{mode:?}-{}", std::process::id()),
             mode,
-            cache_ttl: tally::cache::TtlPolicy {
-                min: Duration::from_secs(60),
-                max: Duration::from_secs(3600),
-            },
-            listen: "127.0.0.1:0".into(),
-            stores: tally::ops::Stores {
+            tally::ops::Stores {
                 cassandra: cassandra.clone(),
-                kafka: env.kafka.clone(),
-                redis: env.redis.clone(),
+                ..env.stores()
             },
-        };
+        );
         let (stop, rx) = tokio::sync::watch::channel(false);
         let progress = Arc::new(tally::consumer::Progress::default());
         let started = Instant::now();
@@ -324,24 +314,11 @@ async fn e2e_section(results: &mut Results) {
     let base = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
     let (stop, rx) = tokio::sync::watch::channel(false);
-    let consumer_config = tally::consumer::ConsumerConfig {
-        group: format!("bench-e2e-{}", std::process::id()),
-        batch_max: 500,
-        batch_wait: Duration::from_millis(50),
-        parallelism: 16,
-        drain_timeout: Duration::from_secs(30),
-        mode: tally::consumer::WriteMode::Batched,
-        cache_ttl: tally::cache::TtlPolicy {
-            min: Duration::from_secs(60),
-            max: Duration::from_secs(3600),
-        },
-        listen: "127.0.0.1:0".into(),
-        stores: tally::ops::Stores {
-            cassandra: env.cassandra.clone(),
-            kafka: env.kafka.clone(),
-            redis: env.redis.clone(),
-        },
-    };
+    let consumer_config = support::consumer_config(
+        format!("bench-e2e-{}", std::process::id()),
+        tally::consumer::WriteMode::Batched,
+        env.stores(),
+    );
     let consumer = tokio::spawn(tally::consumer::run(consumer_config, rx, Arc::default()));
 
     let (tokens, client) = voters_and_client();

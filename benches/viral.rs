@@ -204,24 +204,11 @@ async fn seed(env: &BenchEnv, n: u64, one_target: bool) {
 
 /// Runs the real consumer until it has counted all `n` transitions.
 async fn count(env: &BenchEnv, name: &'static str, n: u64, one_target: bool) -> Case {
-    let config = tally::consumer::ConsumerConfig {
-        group: format!("bench-viral-{name}-{}", std::process::id()),
-        batch_max: 500,
-        batch_wait: Duration::from_millis(50),
-        parallelism: 16,
-        drain_timeout: Duration::from_secs(30),
-        mode: tally::consumer::WriteMode::Batched,
-        cache_ttl: tally::cache::TtlPolicy {
-            min: Duration::from_secs(60),
-            max: Duration::from_secs(3600),
-        },
-        listen: "127.0.0.1:0".into(),
-        stores: tally::ops::Stores {
-            cassandra: env.cassandra.clone(),
-            kafka: env.kafka.clone(),
-            redis: env.redis.clone(),
-        },
-    };
+    let config = support::consumer_config(
+        format!("bench-viral-{name}-{}", std::process::id()),
+        tally::consumer::WriteMode::Batched,
+        env.stores(),
+    );
     let (stop, rx) = tokio::sync::watch::channel(false);
     let progress = Arc::new(tally::consumer::Progress::default());
     let started = Instant::now();

@@ -221,6 +221,38 @@ await() {
     wait_until "$name on $host:$port" "$name" "$kind" "$host" "$port"
 }
 
+# The module flags Cassandra 5 needs on Java 17, from its conf/jvm17-server.options
+# and jvm17-clients.options: for the nodes and for its tools.
+JVM17_MODULES=(
+    --add-exports java.base/jdk.internal.misc=ALL-UNNAMED
+    --add-exports java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED
+    --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED
+    --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED
+    --add-exports java.sql/java.sql=ALL-UNNAMED
+    --add-exports java.base/java.lang.ref=ALL-UNNAMED
+    --add-exports jdk.unsupported/sun.misc=ALL-UNNAMED
+    --add-exports jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED
+    --add-exports jdk.attach/sun.tools.attach=ALL-UNNAMED
+    --add-opens java.base/java.lang.module=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.loader=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.ref=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.math=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.module=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED
+    --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED
+    --add-opens java.base/sun.nio.ch=ALL-UNNAMED
+    --add-opens java.base/java.io=ALL-UNNAMED
+    --add-opens java.base/java.lang.reflect=ALL-UNNAMED
+    --add-opens jdk.compiler/com.sun.tools.javac=ALL-UNNAMED
+    --add-opens java.base/java.lang=ALL-UNNAMED
+    --add-opens java.base/java.util=ALL-UNNAMED
+    --add-exports java.base/jdk.internal.ref=ALL-UNNAMED
+    --add-exports java.base/sun.nio.ch=ALL-UNNAMED
+    --add-opens java.base/java.net=ALL-UNNAMED
+    --add-opens java.base/java.nio=ALL-UNNAMED
+)
+
 # The JVM command of one Cassandra node: $1 its name, $2 its heap, $3 its
 # cassandra.yaml, $4 a folder put first on the class path (rack and DC
 # properties), then any extra -D flags. Flags follow Cassandra's own
@@ -234,29 +266,7 @@ cassandra_jvm() {
         -XX:G1RSetUpdatingPauseTimePercent=5 -XX:MaxGCPauseMillis=300 \
         -XX:+ExitOnOutOfMemoryError -XX:+PerfDisableSharedMem -XX:+UseTLAB -XX:+ResizeTLAB \
         -Djava.net.preferIPv4Stack=true -Djdk.attach.allowAttachSelf=true \
-        --add-exports java.base/jdk.internal.misc=ALL-UNNAMED \
-        --add-exports java.management.rmi/com.sun.jmx.remote.internal.rmi=ALL-UNNAMED \
-        --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED \
-        --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED \
-        --add-exports java.sql/java.sql=ALL-UNNAMED \
-        --add-exports java.base/java.lang.ref=ALL-UNNAMED \
-        --add-exports jdk.unsupported/sun.misc=ALL-UNNAMED \
-        --add-exports jdk.compiler/com.sun.tools.javac.file=ALL-UNNAMED \
-        --add-exports jdk.attach/sun.tools.attach=ALL-UNNAMED \
-        --add-opens java.base/java.lang.module=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.loader=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.ref=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.math=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.module=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED \
-        --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED \
-        --add-opens java.base/sun.nio.ch=ALL-UNNAMED \
-        --add-opens java.base/java.io=ALL-UNNAMED \
-        --add-opens java.base/java.lang.reflect=ALL-UNNAMED \
-        --add-opens jdk.compiler/com.sun.tools.javac=ALL-UNNAMED \
-        --add-opens java.base/java.lang=ALL-UNNAMED \
-        --add-opens java.base/java.util=ALL-UNNAMED \
+        "${JVM17_MODULES[@]}" \
         -Dio.netty.tryReflectionSetAccessible=true \
         -Dio.netty.allocator.useCacheForAllThreads=true -Dio.netty.allocator.maxOrder=11 \
         -Dcassandra.config="file://$yaml" \
@@ -502,33 +512,12 @@ main() {
     esac
 }
 
-# Runs one of Cassandra's tools ($1 its class) from the installed jars, with
-# the flags of Cassandra's conf/jvm17-clients.options.
+# Runs one of Cassandra's tools ($1 its class) from the installed jars.
 cassandra_tool() {
     JAVA_HOME=${JAVA_HOME:-$(find_java17)} || die "no Java 17; run $0 install"
     exec "$JAVA_HOME/bin/java" -Xmx256m -cp "$STACK/lib/cassandra/*" \
         -Dlogback.configurationFile="$CONF/cassandra/logback.xml" -Dcassandra.logdir="$LOGS" \
-        --add-exports java.base/jdk.internal.misc=ALL-UNNAMED \
-        --add-exports java.base/jdk.internal.ref=ALL-UNNAMED \
-        --add-exports java.base/sun.nio.ch=ALL-UNNAMED \
-        --add-exports java.rmi/sun.rmi.registry=ALL-UNNAMED \
-        --add-exports java.rmi/sun.rmi.server=ALL-UNNAMED \
-        --add-exports java.sql/java.sql=ALL-UNNAMED \
-        --add-opens java.base/java.lang.module=ALL-UNNAMED \
-        --add-opens java.base/java.net=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.loader=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.ref=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.reflect=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.math=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.module=ALL-UNNAMED \
-        --add-opens java.base/jdk.internal.util.jar=ALL-UNNAMED \
-        --add-opens java.base/sun.nio.ch=ALL-UNNAMED \
-        --add-opens java.base/java.io=ALL-UNNAMED \
-        --add-opens java.base/java.lang=ALL-UNNAMED \
-        --add-opens java.base/java.lang.reflect=ALL-UNNAMED \
-        --add-opens java.base/java.util=ALL-UNNAMED \
-        --add-opens java.base/java.nio=ALL-UNNAMED \
-        --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED \
+        "${JVM17_MODULES[@]}" \
         "$@"
 }
 

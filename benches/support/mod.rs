@@ -93,6 +93,40 @@ impl BenchEnv {
     }
 }
 
+/// The consumer as the benches run it: batches of up to 500 events or 50 ms,
+/// 16 fenced writes in flight.
+pub fn consumer_config(
+    group: String,
+    mode: tally::consumer::WriteMode,
+    stores: tally::ops::Stores,
+) -> tally::consumer::ConsumerConfig {
+    tally::consumer::ConsumerConfig {
+        group,
+        batch_max: 500,
+        batch_wait: Duration::from_millis(50),
+        parallelism: 16,
+        drain_timeout: Duration::from_secs(30),
+        mode,
+        cache_ttl: tally::cache::TtlPolicy {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+        },
+        listen: "127.0.0.1:0".into(),
+        stores,
+    }
+}
+
+impl BenchEnv {
+    /// This bench's three stores.
+    pub fn stores(&self) -> tally::ops::Stores {
+        tally::ops::Stores {
+            cassandra: self.cassandra.clone(),
+            kafka: self.kafka.clone(),
+            redis: self.redis.clone(),
+        }
+    }
+}
+
 /// The tests' one generator and Zipf, shared rather than copied.
 #[path = "../../tests/it/support/rng.rs"]
 pub mod rng;
