@@ -75,7 +75,15 @@ pub struct Fenced {
     pub lost: u32,
     /// CQL requests made: two reads per round and one per write attempt.
     pub requests: u64,
+    /// The bucket's seq and totals as the last round left them (read, or
+    /// written): what a writer may take as current until someone else
+    /// writes. `None` when it ended contended.
+    pub left: Option<Left>,
 }
+
+/// A bucket's seq (`None` if never written) and totals, as a writer left
+/// them.
+pub type Left = (Option<i64>, Totals);
 
 /// Runs rounds on one bucket, reading the applied rows of `users` (all in
 /// that bucket), until the writer settles, its write lands, or the fence is
@@ -96,6 +104,7 @@ pub async fn write(
         writes: 0,
         lost: 0,
         requests: 0,
+        left: None,
     };
     loop {
         if max_lost.is_some_and(|max| done.lost >= max) {
@@ -112,6 +121,7 @@ pub async fn write(
         } = writer.fold(target, Read { head, applied }).await?
         else {
             done.ending = Ending::Settled;
+            done.left = Some((head.seq, head.totals));
             return Ok(done);
         };
         let proposal = FencedWrite {
@@ -120,12 +130,13 @@ pub async fn write(
             target_type,
             users: &rows,
         };
-        let outcome = land(stats, cache, (target, bucket), &proposal).await;
+        let outcome = land(stats, cache, (target, bucket), &proposal, &[]).await;
         done.requests += 1;
         match outcome {
             Cas::Applied => {
                 done.writes += 1;
                 done.ending = Ending::Written;
+                done.left = Some((Some(head.seq.unwrap_or(0) + 1), totals));
                 return Ok(done);
             }
             Cas::NotApplied => {
@@ -143,26 +154,58 @@ pub async fn write(
 }
 
 /// Writes one fenced write, and writes it through to `cache` (with its seq)
-/// if it landed, so served counts follow the durable ones.
+/// if it landed, so served counts follow the durable ones. `ahead` are the
+/// users it counts at a version whose vote may not have counted it in the
+/// cache yet (see `Written::ahead`).
 pub async fn land(
     stats: &Stats,
     cache: Option<&Cache>,
     (target, bucket): (&TargetId, Bucket),
     proposal: &FencedWrite<'_>,
+    ahead: &[(UserId, i64)],
 ) -> Cas {
     let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats", &outcome);
-    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
+    write_through(stats, cache, (target, bucket), proposal, ahead, &outcome).await;
+    outcome
+}
+
+/// `land`, with each user's row also conditioned on what the writer believes
+/// it holds (see `Stats::write_expecting`): a write that read nothing.
+pub async fn land_expecting(
+    stats: &Stats,
+    cache: Option<&Cache>,
+    (target, bucket): (&TargetId, Bucket),
+    proposal: &FencedWrite<'_>,
+    before: &[Applied],
+) -> Cas {
+    let outcome = stats
+        .write_expecting(target, bucket, proposal, before)
+        .await;
+    crate::metrics::cas("stats_unread", &outcome);
+    write_through(stats, cache, (target, bucket), proposal, &[], &outcome).await;
+    outcome
+}
+
+async fn write_through(
+    stats: &Stats,
+    cache: Option<&Cache>,
+    (target, bucket): (&TargetId, Bucket),
+    proposal: &FencedWrite<'_>,
+    ahead: &[(UserId, i64)],
+    outcome: &Cas,
+) {
+    if let (Cas::Applied, Some(cache)) = (outcome, cache) {
         let written = Written {
             buckets: stats.layout(),
             bucket,
             seq: proposal.read_seq.unwrap_or(0) + 1,
             totals: proposal.totals,
             users: proposal.users,
+            ahead,
         };
         if let Err(e) = cache.write_through(target, &written).await {
             tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
         }
     }
-    outcome
 }

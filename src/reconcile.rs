@@ -342,6 +342,11 @@ impl Reconciler {
     }
 }
 
+/// How long after its row changed a vote may still be counting the change
+/// in the cache: its 8 s deadline, then the cache step's own (about 2 s),
+/// with room for the clocks of the hosts to disagree.
+const VOTE_CACHE_WINDOW: Duration = Duration::from_secs(20);
+
 /// How often a sweep inside one large target saves where it is.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(10);
 
@@ -435,7 +440,7 @@ impl BucketPass<'_> {
                 self.found.damaged_totals = true;
                 let recount = walk.recount;
                 if !self.dry_run
-                    && self.write(&mut walk, recount, Vec::new()).await? == Landed::Lost
+                    && self.write(&mut walk, recount, Vec::new(), &[]).await? == Landed::Lost
                 {
                     lost += 1;
                     continue;
@@ -550,6 +555,20 @@ impl BucketPass<'_> {
                 })
             })
             .count();
+        // Rows ahead of their count that changed so recently that their
+        // vote may not have counted them in the cache yet: the cache is
+        // told, so that the vote's late change does not count them twice.
+        let recent = SystemTime::now()
+            .checked_sub(VOTE_CACHE_WINDOW)
+            .unwrap_or(UNIX_EPOCH);
+        let ahead: HashMap<&UserId, i64> = truth
+            .iter()
+            .filter(|(u, row)| {
+                row.current.version > base.get(*u).map_or(0, |a| a.version)
+                    && row.updated_at.is_some_and(|t| t >= recent)
+            })
+            .map(|(u, row)| (u, row.current.version))
+            .collect();
         // Chunks, each self-consistent: its totals move by exactly the users
         // it writes. A dry run moves them the same way, unwritten.
         for chunk in plan.changed_rows().chunks(MAX_USERS_PER_WRITE) {
@@ -562,8 +581,18 @@ impl BucketPass<'_> {
             let totals = walk.stored.minus(was).plus(now);
             if self.dry_run {
                 walk.stored = totals;
-            } else if self.write(walk, totals, chunk.to_vec()).await? == Landed::Lost {
-                return Ok(Landed::Lost);
+            } else {
+                let chunk_ahead: Vec<(UserId, i64)> = chunk
+                    .iter()
+                    .filter_map(|(u, _)| ahead.get(u).map(|v| (u.clone(), *v)))
+                    .collect();
+                if self
+                    .write(walk, totals, chunk.to_vec(), &chunk_ahead)
+                    .await?
+                    == Landed::Lost
+                {
+                    return Ok(Landed::Lost);
+                }
             }
         }
         walk.recount = walk.recount.plus(plan.recount());
@@ -578,6 +607,7 @@ impl BucketPass<'_> {
         walk: &mut Walk,
         totals: Totals,
         users: Vec<(UserId, Applied)>,
+        ahead: &[(UserId, i64)],
     ) -> Result<Landed, ReconcileError> {
         let store = &self.reconciler.store;
         let proposal = FencedWrite {
@@ -592,6 +622,7 @@ impl BucketPass<'_> {
             self.reconciler.cache.as_ref(),
             place,
             &proposal,
+            ahead,
         )
         .await
         {

@@ -68,6 +68,9 @@ pub enum CacheError {
 //   p:<user>     a pending change, "version|to|from|ms": the vote path counted
 //                the user at `to` (their row at `version`) at `ms`, and the
 //                base counts them at `from`
+//   c:<user>     "version|ms": reconcile counted the user's row at `version`
+//                in a base at `ms`, ahead of the vote that changed it; that
+//                vote's own change, if it comes later, is already counted
 // The consumer (and reconcile) write each durable write of a bucket through,
 // with its seq: that bucket's base becomes exact, the pending changes it now
 // includes go, and an older seq never overwrites a newer one. A read's miss
@@ -136,6 +139,9 @@ local function recompute(key, names, nb, stale)
         if v[to] then v[to] = v[to] + 1 end
         if v[from] then v[from] = v[from] - 1 end
       end
+    elseif kind == 'c:' and stale then
+      local ms = tonumber(string.match(all[i + 1], '|(%d+)$'))
+      if ms == nil or ms < stale then redis.call('HDEL', key, f) end
     end
   end
   for _, name in ipairs(names) do redis.call('HSET', key, 'v:' .. name, v[name]) end
@@ -163,6 +169,10 @@ if not complete(KEYS[1], nb) then
   fill(KEYS[1], names, nb, 9 + n)
   recompute(KEYS[1], names, nb, nil)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+local counted = redis.call('HGET', KEYS[1], 'c:' .. user)
+if counted and tonumber(string.match(counted, '^(%d+)|')) >= version then
+  return served(KEYS[1], names)
 end
 local field = 'p:' .. user
 local cur = redis.call('HGET', KEYS[1], field)
@@ -201,8 +211,10 @@ return served(KEYS[1], names)
 /// the consumer has counted it long since, and only a write-through that
 /// failed (Redis down) left it. An entry still missing other buckets' bases
 /// keeps this one and serves nothing until a read fills the rest.
+/// Users counted ahead of their votes get a `c:` mark, so that a vote's
+/// change arriving later is not counted again.
 /// ARGV: n, ttl, stale, buckets, n names, bucket, seq, n base, k, then k
-/// times user, version, state.
+/// times user, version, state, then m, then m times user, version.
 const WRITE_THROUGH: &str = r"
 local n = tonumber(ARGV[1])
 local nb = tonumber(ARGV[4])
@@ -225,7 +237,13 @@ for j = 0, k - 1 do
     end
   end
 end
-recompute(KEYS[1], names, nb, now_ms() - tonumber(ARGV[3]))
+local now = now_ms()
+local m_at = 8 + 2 * n + 3 * k
+for j = 0, tonumber(ARGV[m_at]) - 1 do
+  local at = m_at + 1 + 2 * j
+  redis.call('HSET', KEYS[1], 'c:' .. ARGV[at], ARGV[at + 1] .. '|' .. now)
+end
+recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
@@ -266,6 +284,9 @@ pub struct Written<'a> {
     pub seq: i64,
     pub totals: Totals,
     pub users: &'a [(UserId, Applied)],
+    /// Those of `users` counted ahead of the vote that changed them (whose
+    /// cache step may still be to come): reconcile's, never the consumer's.
+    pub ahead: &'a [(UserId, i64)],
 }
 
 /// The per-target count cache. Entries converge by construction: the
@@ -444,6 +465,10 @@ impl Cache {
             call.arg(user.as_str())
                 .arg(applied.version)
                 .arg(applied.state.as_str());
+        }
+        call.arg(written.ahead.len());
+        for (user, version) in written.ahead {
+            call.arg(user.as_str()).arg(*version);
         }
         let _: i64 = self
             .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })

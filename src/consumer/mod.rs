@@ -7,12 +7,20 @@
 //! most of the traffic is written by as many writers as it has buckets. Offsets are stored only after every write of the batch has
 //! landed; auto-commit then commits them. A crash anywhere replays from the
 //! last commit, and the replayed versions are dropped by the apply rule.
+//!
+//! Between batches the consumer remembers the seq and totals it last left
+//! each bucket at. When a bucket's events arrive in order, as they do
+//! unless something was lost or replayed, it writes them without reading
+//! anything: the write is conditioned on that seq, and each user's row on
+//! the version and state their first event says it holds. Anything else
+//! (another writer moved the fence, a replay, a gap) refuses the write, and
+//! the bucket takes the reading path of `fence`.
 
 mod lag;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -22,9 +30,11 @@ use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::source::{Received, Source};
 use crate::cache::{Cache, TtlPolicy};
-use crate::domain::{Bucket, Ledger, TargetId, Transition, UserId};
-use crate::fence::{self, Ending, Fold, MAX_USERS_PER_WRITE, Read, Step};
+use crate::domain::{Applied, Bucket, Ledger, TargetId, Transition, UserId};
+use crate::fence::{self, Ending, Fold, Left, MAX_USERS_PER_WRITE, Read, Step};
 use crate::ops::Stores;
+use crate::store::Cas;
+use crate::store::stats::FencedWrite;
 use crate::store::stats::Stats;
 use crate::store::{Store, StoreError};
 
@@ -120,12 +130,14 @@ pub async fn run(
     let lag_task = tokio::spawn(lag::report(source.clone(), positions.clone(), stop.clone()));
     tracing::info!(group = %config.group, topic = %config.stores.kafka.topic, mode = ?config.mode, "tally consumer started");
 
+    let known = Known::default();
     let worker = Worker {
         config: &config,
         stats: &store.stats,
         dead_letters: &dead_letters,
         cache: &cache,
         progress: &progress,
+        known: &known,
     };
     let result = loop {
         if *stop.borrow() {
@@ -178,6 +190,39 @@ struct Worker<'a> {
     dead_letters: &'a DeadLetters,
     cache: &'a Cache,
     progress: &'a Progress,
+    known: &'a Known,
+}
+
+/// The seq and totals this consumer last left each bucket at, as far as it
+/// knows: right until another writer (a consumer after a rebalance,
+/// reconcile) writes the bucket, which the next write's fence then tells.
+#[derive(Default)]
+struct Known(Mutex<HashMap<(TargetId, Bucket), Left>>);
+
+/// Buckets remembered at most; past it the memory starts again empty, which
+/// costs one read per bucket.
+const KNOWN_MAX: usize = 100_000;
+
+impl Known {
+    fn get(&self, target: &TargetId, bucket: Bucket) -> Option<Left> {
+        self.0.lock().ok()?.get(&(target.clone(), bucket)).copied()
+    }
+
+    fn set(&self, target: &TargetId, bucket: Bucket, left: Option<Left>) {
+        if let Ok(mut known) = self.0.lock() {
+            match left {
+                Some(left) => {
+                    if known.len() >= KNOWN_MAX {
+                        known.clear();
+                    }
+                    known.insert((target.clone(), bucket), left);
+                }
+                None => {
+                    known.remove(&(target.clone(), bucket));
+                }
+            }
+        }
+    }
 }
 
 impl Worker<'_> {
@@ -228,6 +273,11 @@ impl Worker<'_> {
             WriteMode::PerEvent => 1,
         };
         for chunk in chunks_by_users(events, per_chunk) {
+            if self.config.mode == WriteMode::Batched
+                && self.count_unread((target, bucket), chunk).await
+            {
+                continue;
+            }
             let mut users: Vec<&UserId> = chunk.iter().map(|t| &t.user_id).collect();
             users.sort_unstable();
             users.dedup();
@@ -248,6 +298,7 @@ impl Worker<'_> {
                 .await
                 {
                     Ok(done) => {
+                        self.known.set(target, bucket, done.left);
                         self.record(target, chunk.len() as u64, &counting.ledger, done);
                         break;
                     }
@@ -266,6 +317,65 @@ impl Worker<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Counts a chunk without reading, if this consumer knows the bucket's
+    /// seq and totals and the chunk's events say what each user's row holds
+    /// (see the module comment). True when that write landed; false leaves
+    /// the chunk to the reading path, which finds out what is true.
+    async fn count_unread(
+        &self,
+        (target, bucket): (&TargetId, Bucket),
+        chunk: &[Transition],
+    ) -> bool {
+        let Some((seq, totals)) = self.known.get(target, bucket) else {
+            return false;
+        };
+        let Some(before) = beliefs(chunk) else {
+            return false;
+        };
+        let mut ledger = Ledger::new(totals, before.clone());
+        for t in chunk {
+            ledger.apply_event(&t.user_id, t.version, t.from, t.to);
+        }
+        if ledger.gaps > 0 || ledger.replays > 0 {
+            return false;
+        }
+        let users = ledger.changed_rows();
+        let expected: Vec<Applied> = users
+            .iter()
+            .map(|(u, _)| before.get(u).copied().unwrap_or(Applied::NEVER))
+            .collect();
+        let proposal = FencedWrite {
+            read_seq: seq,
+            totals: ledger.totals,
+            target_type: chunk.first().map(|t| t.target_type),
+            users: &users,
+        };
+        let place = (target, bucket);
+        match fence::land_expecting(self.stats, Some(self.cache), place, &proposal, &expected).await
+        {
+            Cas::Applied => {
+                let left = (Some(seq.unwrap_or(0) + 1), ledger.totals);
+                self.known.set(target, bucket, Some(left));
+                let done = fence::Fenced {
+                    ending: Ending::Written,
+                    writes: 1,
+                    lost: 0,
+                    requests: 1,
+                    left: Some(left),
+                };
+                self.record(target, chunk.len() as u64, &ledger, done);
+                true
+            }
+            // Refused (another writer, a replay) or unknown: the reading
+            // path reads the bucket and settles it either way.
+            _ => {
+                self.known.set(target, bucket, None);
+                self.progress.requests.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
     }
 
     /// Metrics and progress, once per chunk, from its last round.
@@ -354,6 +464,34 @@ impl Fold for Counting<'_> {
     }
 }
 
+/// What a chunk's events say each user's applied row holds before them,
+/// if they arrived in order: the version before the user's first event, in
+/// that event's `from` state, or no row at all before a first version.
+/// `None` when some user's events are not consecutive versions.
+fn beliefs(events: &[Transition]) -> Option<HashMap<UserId, Applied>> {
+    let mut before = HashMap::new();
+    let mut last: HashMap<&UserId, i64> = HashMap::new();
+    for t in events {
+        match last.get(&t.user_id) {
+            None => {
+                let was = if t.version == 1 {
+                    Applied::NEVER
+                } else {
+                    Applied {
+                        version: t.version - 1,
+                        state: t.from,
+                    }
+                };
+                before.insert(t.user_id.clone(), was);
+            }
+            Some(v) if *v + 1 == t.version => {}
+            Some(_) => return None,
+        }
+        last.insert(&t.user_id, t.version);
+    }
+    Some(before)
+}
+
 /// Splits a target's events, in order, into runs with at most `max` users.
 fn chunks_by_users(events: &[Transition], max: usize) -> Vec<&[Transition]> {
     let mut out = Vec::new();
@@ -416,5 +554,41 @@ mod tests {
         );
         assert_eq!(chunks_by_users(&events, 1).len(), 6);
         assert!(chunks_by_users(&[], 3).is_empty());
+    }
+
+    fn step(user: &str, version: i64, from: Reaction, to: Reaction) -> Transition {
+        Transition {
+            from,
+            to,
+            ..ev(user, version)
+        }
+    }
+
+    #[test]
+    fn in_order_events_say_what_each_row_held_before_them() {
+        let events = [
+            step("a", 1, Reaction::None, Reaction::Like),
+            step("b", 4, Reaction::Dislike, Reaction::None),
+            step("a", 2, Reaction::Like, Reaction::Dislike),
+        ];
+        let before = beliefs(&events).unwrap_or_else(|| panic!("in order"));
+        let user = |u: &str| UserId::parse(u).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(before[&user("a")], Applied::NEVER);
+        assert_eq!(
+            before[&user("b")],
+            Applied {
+                version: 3,
+                state: Reaction::Dislike
+            }
+        );
+        assert_eq!(before.len(), 2);
+    }
+
+    #[test]
+    fn a_replay_a_gap_or_a_reorder_within_a_chunk_says_nothing() {
+        let like = |u, v| step(u, v, Reaction::None, Reaction::Like);
+        assert_eq!(beliefs(&[like("a", 2), like("a", 2)]), None);
+        assert_eq!(beliefs(&[like("a", 2), like("a", 4)]), None);
+        assert_eq!(beliefs(&[like("a", 3), like("a", 2)]), None);
     }
 }

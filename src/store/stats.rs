@@ -84,6 +84,8 @@ pub struct Stats {
     applied_page: PreparedStatement,
     write_head: PreparedStatement,
     write_user: PreparedStatement,
+    write_user_at: PreparedStatement,
+    write_user_new: PreparedStatement,
 }
 
 type StoredRow = (Option<i64>, Option<String>, Option<i64>, Option<String>);
@@ -133,13 +135,22 @@ impl Stats {
             ))
             .await
             .context("prepare head write")?;
+        let user_cql = "UPDATE target_stats SET applied_version = ?, applied_state = ? \
+                        WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = ?";
         let write_user = session
-            .prepare(
-                "UPDATE target_stats SET applied_version = ?, applied_state = ? \
-                 WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = ?",
-            )
+            .prepare(user_cql)
             .await
             .context("prepare user write")?;
+        let write_user_at = session
+            .prepare(format!(
+                "{user_cql} IF applied_version = ? AND applied_state = ?"
+            ))
+            .await
+            .context("prepare user write on its applied row")?;
+        let write_user_new = session
+            .prepare(format!("{user_cql} IF applied_version = null"))
+            .await
+            .context("prepare user write on no applied row")?;
         Ok(Stats {
             layout,
             levels,
@@ -150,6 +161,8 @@ impl Stats {
             applied_page,
             write_head,
             write_user,
+            write_user_at,
+            write_user_new,
         })
     }
 
@@ -252,6 +265,31 @@ impl Stats {
     /// Writes a bucket's totals and applied rows in one conditional batch on
     /// the bucket's `seq`. Every user must belong to `bucket`.
     pub async fn write(&self, target: &TargetId, bucket: Bucket, w: &FencedWrite<'_>) -> Cas {
+        self.write_batch(target, bucket, w, None).await
+    }
+
+    /// The same write, also conditioned on each user's applied row holding
+    /// `before` (one per user of `w`, in order; `Applied::NEVER` for no row):
+    /// a writer that has not read the rows, only believes what they hold.
+    /// Refused, as a lost fence is, if any belief is wrong.
+    pub async fn write_expecting(
+        &self,
+        target: &TargetId,
+        bucket: Bucket,
+        w: &FencedWrite<'_>,
+        before: &[Applied],
+    ) -> Cas {
+        debug_assert_eq!(before.len(), w.users.len());
+        self.write_batch(target, bucket, w, Some(before)).await
+    }
+
+    async fn write_batch(
+        &self,
+        target: &TargetId,
+        bucket: Bucket,
+        w: &FencedWrite<'_>,
+        before: Option<&[Applied]>,
+    ) -> Cas {
         debug_assert!(w.users.iter().all(|(u, _)| self.bucket_of(u) == bucket));
         let mut batch = Batch::new(BatchType::Unlogged);
         batch.set_consistency(self.levels.quorum);
@@ -278,16 +316,29 @@ impl Stats {
         ]);
         let mut values = Vec::with_capacity(w.users.len() + 1);
         values.push(Row::Head(head));
-        for (user, a) in w.users {
-            batch.append_statement(self.write_user.clone());
-            values.push(Row::User((
+        for (i, (user, a)) in w.users.iter().enumerate() {
+            let row = (
                 a.version,
                 a.state.as_str(),
                 target_id,
                 column,
                 token_of(user),
                 user.as_str(),
-            )));
+            );
+            match before.and_then(|b| b.get(i)) {
+                None => {
+                    batch.append_statement(self.write_user.clone());
+                    values.push(Row::User(row));
+                }
+                Some(was) if *was == Applied::NEVER => {
+                    batch.append_statement(self.write_user_new.clone());
+                    values.push(Row::User(row));
+                }
+                Some(was) => {
+                    batch.append_statement(self.write_user_at.clone());
+                    values.push(Row::UserAt(row, (was.version, was.state.as_str())));
+                }
+            }
         }
         classify(self.session.batch(&batch, values).await)
     }
@@ -317,8 +368,13 @@ fn parse_rows(rows: Vec<StoredRow>) -> impl Iterator<Item = AppliedRow> {
 /// The values of one statement of a stats batch: the statics, or one user.
 enum Row<'a> {
     Head(Vec<&'a (dyn SerializeValue + Sync)>),
-    User((i64, &'a str, &'a str, i32, i64, &'a str)),
+    User(UserValues<'a>),
+    /// A user row conditioned on the applied version and state it holds.
+    UserAt(UserValues<'a>, (i64, &'a str)),
 }
+
+/// applied_version, applied_state, target_id, bucket, user_token, user_id.
+type UserValues<'a> = (i64, &'a str, &'a str, i32, i64, &'a str);
 
 impl SerializeRow for Row<'_> {
     fn serialize(
@@ -329,6 +385,9 @@ impl SerializeRow for Row<'_> {
         match self {
             Row::Head(v) => SerializeRow::serialize(v, ctx, writer),
             Row::User(v) => SerializeRow::serialize(v, ctx, writer),
+            Row::UserAt((a, b, c, d, e, f), (g, h)) => {
+                SerializeRow::serialize(&(a, b, c, d, e, f, g, h), ctx, writer)
+            }
         }
     }
 

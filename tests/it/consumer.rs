@@ -207,3 +207,69 @@ async fn two_consumers_in_one_group_with_a_rebalance_mid_stream_leave_no_drift()
     b.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn in_order_transitions_are_counted_without_reads_until_another_writer_moves_the_fence()
+-> TestResult {
+    use std::sync::atomic::Ordering::Relaxed;
+    let env = TestEnv::new().await;
+    let consumer = env.start_consumer();
+    let p = consumer.progress.clone();
+    let users: Vec<String> = (0..40).map(|i| format!("u{i}")).collect();
+    let round = |from: &'static str, to: &'static str, version: i64| {
+        let (env, users) = (&env, &users);
+        async move {
+            for u in users {
+                env.publish_transition(u, "t0", from, to, version).await;
+            }
+        }
+    };
+    // Each round waits for the one before, so its events find the buckets
+    // as the last round left them.
+    round("none", "like", 1).await;
+    processed_at_least(&consumer, 40).await;
+    let (requests, writes) = (p.requests.load(Relaxed), p.writes.load(Relaxed));
+
+    round("like", "dislike", 2).await;
+    processed_at_least(&consumer, 80).await;
+    let unread = (
+        p.requests.load(Relaxed) - requests,
+        p.writes.load(Relaxed) - writes,
+    );
+    assert_eq!(
+        unread.0, unread.1,
+        "in order: one request per write, no reads (requests, writes) = {unread:?}"
+    );
+    let stats = env.stats().await;
+    assert_eq!((stats["t0"].likes(), stats["t0"].dislikes()), (0, 40));
+
+    // Another writer moves bucket 0's fence, and round 2 is delivered again.
+    env.cql("UPDATE target_stats SET seq = 1000 WHERE target_id = 't0' AND bucket = 0")
+        .await;
+    let (requests, writes) = (p.requests.load(Relaxed), p.writes.load(Relaxed));
+    round("like", "dislike", 2).await;
+    round("dislike", "like", 3).await;
+    processed_at_least(&consumer, 160).await;
+    let read = (
+        p.requests.load(Relaxed) - requests,
+        p.writes.load(Relaxed) - writes,
+    );
+    assert!(
+        read.0 > read.1,
+        "the refused writes fell back to reading: (requests, writes) = {read:?}"
+    );
+    let stats = env.stats().await;
+    assert_eq!(
+        (stats["t0"].likes(), stats["t0"].dislikes()),
+        (40, 0),
+        "the replayed round counted once, the new one once"
+    );
+    assert!(
+        stats["t0"]
+            .users
+            .values()
+            .all(|(v, s)| *v == 3 && s == "like")
+    );
+    consumer.stop().await;
+    Ok(())
+}

@@ -216,3 +216,66 @@ async fn served_totals_converge_under_continuous_load_longer_than_three_ttls() -
     );
     Ok(())
 }
+
+/// Reconcile may count a row before the vote that changed it has counted
+/// the change in the cache (the vote's cache step runs after its commit).
+/// Its write-through marks such users, and the late step is then not
+/// counted a second time; a write-through without the mark would be.
+#[tokio::test]
+async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once() -> TestResult {
+    use tally::cache::{Cache, Pending, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let one = Layout::new(1)?;
+    let served = |target: &TargetId| {
+        let (cache, target) = (&cache, target.clone());
+        async move {
+            let got = cache.get_many(std::slice::from_ref(&target)).await?;
+            anyhow::Ok(got.first().copied().flatten().map(|t| t.get(Reaction::Like)))
+        }
+    };
+    for (id, marked) in [("marked", true), ("unmarked", false)] {
+        let target = TargetId::parse(id)?;
+        let ann = UserId::parse("ann")?;
+        let empty = Head {
+            seq: Some(1),
+            totals: Totals::default(),
+            target_type: None,
+        };
+        cache.fill(&target, &Heads(vec![empty])).await?;
+        // Reconcile counts ann's like, her row at version 1...
+        let users = [(
+            ann.clone(),
+            Applied {
+                version: 1,
+                state: Reaction::Like,
+            },
+        )];
+        let ahead = [(ann.clone(), 1)];
+        let written = Written {
+            buckets: one,
+            bucket: Bucket::FIRST,
+            seq: 2,
+            totals: Totals::count([Reaction::Like]),
+            users: &users,
+            ahead: if marked { &ahead } else { &[] },
+        };
+        cache.write_through(&target, &written).await?;
+        // ...and then her vote's own cache step arrives.
+        let change = Pending {
+            user: &ann,
+            version: 1,
+            from: Reaction::None,
+            to: Reaction::Like,
+        };
+        cache
+            .apply(&target, &change, one, None, cache.change_deadline())
+            .await?;
+        let expected = if marked { 1 } else { 2 };
+        assert_eq!(served(&target).await?, Some(expected), "{id}");
+    }
+    Ok(())
+}
