@@ -234,7 +234,12 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
         let (cache, target) = (&cache, target.clone());
         async move {
             let got = cache.get_many(std::slice::from_ref(&target)).await?;
-            anyhow::Ok(got.first().copied().flatten().map(|t| t.get(Reaction::Like)))
+            anyhow::Ok(
+                got.first()
+                    .copied()
+                    .flatten()
+                    .map(|t| t.get(Reaction::Like)),
+            )
         }
     };
     for (id, marked) in [("marked", true), ("unmarked", false)] {
