@@ -207,7 +207,9 @@ return served(KEYS[1], names)
 
 /// A durable write of one bucket, written through: the bucket's base at
 /// `seq` (if newer than the entry's), and the users it counted, each at
-/// (version, state). A pending change older than `stale` ms is dropped too:
+/// (version, state). A pending change the write includes goes even when a
+/// newer write got here first: the newer base includes it too (seqs order a
+/// bucket's writes), and left in place it would be counted twice. A pending change older than `stale` ms is dropped too:
 /// the consumer has counted it long since, and only a write-through that
 /// failed (Redis down) left it. An entry still missing other buckets' bases
 /// keeps this one and serves nothing until a read fills the rest.
@@ -222,7 +224,7 @@ local names = {}
 for i = 1, n do names[i] = ARGV[4 + i] end
 local base = {}
 for i = 1, n do base[i] = ARGV[6 + n + i] end
-if not set_base(KEYS[1], names, ARGV[5 + n], ARGV[6 + n], base) then return 0 end
+local newer = set_base(KEYS[1], names, ARGV[5 + n], ARGV[6 + n], base)
 local k = tonumber(ARGV[7 + 2 * n])
 for j = 0, k - 1 do
   local at = 8 + 2 * n + 3 * j
@@ -232,7 +234,7 @@ for j = 0, k - 1 do
     local pv, pto, pfrom, pms = parse(cur)
     if pv <= tonumber(ARGV[at + 1]) then
       redis.call('HDEL', KEYS[1], field)
-    else
+    elseif newer then
       redis.call('HSET', KEYS[1], field, pv .. '|' .. pto .. '|' .. ARGV[at + 2] .. '|' .. (pms or 0))
     end
   end
@@ -245,7 +247,8 @@ for j = 0, tonumber(ARGV[m_at]) - 1 do
 end
 recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 1
+if newer then return 1 end
+return 0
 ";
 
 /// The names of the counted reactions, in `Totals` order.

@@ -284,3 +284,62 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
     }
     Ok(())
 }
+
+/// Write-throughs of one bucket can arrive out of order (the consumer's and
+/// reconcile's, say). The older one still takes away the pending changes it
+/// counted: the newer base counts them already.
+#[tokio::test]
+async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted() -> TestResult {
+    use tally::cache::{Cache, Pending, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let one = Layout::new(1)?;
+    let target = TargetId::parse("late")?;
+    let (ann, bob) = (UserId::parse("ann")?, UserId::parse("bob")?);
+    let like = |version| Applied {
+        version,
+        state: Reaction::Like,
+    };
+    let empty = Head {
+        seq: Some(1),
+        totals: Totals::default(),
+        target_type: None,
+    };
+    cache.fill(&target, &Heads(vec![empty])).await?;
+    // ann's vote counts her like ahead of the consumer.
+    let change = Pending {
+        user: &ann,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    cache
+        .apply(&target, &change, one, None, cache.change_deadline())
+        .await?;
+    // The write of seq 2 counts ann; the write of seq 3, after it, counts
+    // bob too. Their write-throughs arrive newest first.
+    let (bob_row, ann_row) = ([(bob.clone(), like(1))], [(ann.clone(), like(1))]);
+    let write = |seq, likes, users| Written {
+        buckets: one,
+        bucket: Bucket::FIRST,
+        seq,
+        totals: Totals::count(std::iter::repeat_n(Reaction::Like, likes)),
+        users,
+        ahead: &[],
+    };
+    cache.write_through(&target, &write(3, 2, &bob_row)).await?;
+    cache.write_through(&target, &write(2, 1, &ann_row)).await?;
+    let got = cache.get_many(std::slice::from_ref(&target)).await?;
+    assert_eq!(
+        got.first()
+            .copied()
+            .flatten()
+            .map(|t| t.get(Reaction::Like)),
+        Some(2),
+        "ann and bob, each once"
+    );
+    Ok(())
+}
