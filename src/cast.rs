@@ -2,9 +2,12 @@
 //! idempotency key and the transition committed with it, then the cache and
 //! Kafka.
 //!
-//! The loop reads the user's row and the key's record, and either replays the
-//! recorded answer or writes the change conditioned on the version it read.
-//! A lost race re-reads at SERIAL and tries again, within a deadline.
+//! A vote reads nothing first. It writes the change conditioned on a guess
+//! of the user's row (what this process last saw, else no row) together with
+//! `IF NOT EXISTS` on the key's record, so one Paxos round either commits,
+//! or is refused with the row and the record as they are: a replay answers
+//! from the record, a wrong guess tries again with the row it was shown.
+//! An unknown outcome is read at SERIAL. All within a deadline.
 //!
 //! Publication is durable: before its first conditional batch a vote writes
 //! an intent to the outbox, and the batch stores the transition in the key's
@@ -26,8 +29,8 @@ use crate::domain::{
     Delta, IdempotencyKey, Reaction, TargetId, TargetType, Totals, Transition, UserId,
 };
 use crate::store::outbox::Slot;
-use crate::store::reactions::{Change, KeyRecord, Snapshot};
-use crate::store::{Cas, Store, StoreError};
+use crate::store::reactions::{Change, Current, KeyRecord, Snapshot, Written};
+use crate::store::{Store, StoreError};
 
 /// One parsed vote.
 #[derive(Debug, Clone)]
@@ -104,9 +107,9 @@ pub struct CastConfig {
     /// longer than this before it decides a vote never committed.
     pub deadline: Duration,
     /// How long an answer waits for Kafka's acknowledgement of its
-    /// transition. A healthy Kafka answers in milliseconds, so the answer
-    /// follows it; a Kafka that does not answer delays a vote this long and
-    /// no longer, and the relay publishes the transition later.
+    /// transition; zero (the default) not at all. The transition is durable
+    /// in the key's record before the answer, and the relay publishes what
+    /// the vote's own task could not, so the answer need not hold on Kafka.
     pub publish_wait: Duration,
 }
 
@@ -115,7 +118,7 @@ impl Default for CastConfig {
         CastConfig {
             max_attempts: 8,
             deadline: Duration::from_secs(8),
-            publish_wait: Duration::from_millis(500),
+            publish_wait: Duration::ZERO,
         }
     }
 }
@@ -125,12 +128,52 @@ pub struct Caster {
     counts: Counts,
     after: Arc<AfterCommit>,
     config: CastConfig,
+    hints: Hints,
 }
 
-/// The change the current attempt is trying to commit.
+/// What this process last saw of users' rows, the first attempt's guess of
+/// what a row holds. Only ever a guess: a wrong one (another instance's
+/// vote, a hash collision, a forgotten entry) costs one refused round.
+#[derive(Default)]
+struct Hints {
+    seen: std::sync::Mutex<std::collections::HashMap<u64, Current>>,
+    hasher: std::collections::hash_map::RandomState,
+}
+
+/// Entries kept before the hints start over: a few MB.
+const HINTS: usize = 100_000;
+
+impl Hints {
+    fn slot(&self, user: &UserId, target: &TargetId) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one((user.as_str(), target.as_str()))
+    }
+
+    fn get(&self, user: &UserId, target: &TargetId) -> Option<Current> {
+        let slot = self.slot(user, target);
+        self.seen.lock().ok()?.get(&slot).copied()
+    }
+
+    fn remember(&self, user: &UserId, target: &TargetId, state: Reaction, version: i64) {
+        let slot = self.slot(user, target);
+        if let Ok(mut seen) = self.seen.lock() {
+            if seen.len() >= HINTS {
+                seen.clear();
+            }
+            let newer = seen.get(&slot).is_none_or(|c| c.version < version);
+            if newer {
+                seen.insert(slot, Current { state, version });
+            }
+        }
+    }
+}
+
+/// What one attempt writes: the change it commits (none when the user
+/// already holds the reaction) and the key's record.
 struct Attempt {
     transition: Option<Transition>,
-    body: String,
+    record: KeyRecord,
+    intent: Slot,
 }
 
 /// What runs after a commit, in its own task: nothing the request does
@@ -158,6 +201,7 @@ impl Caster {
             counts,
             after,
             config,
+            hints: Hints::default(),
         }
     }
 
@@ -170,138 +214,195 @@ impl Caster {
     ) -> Result<Answer, CastError> {
         let hash = vote.hash();
         let started = Instant::now();
-        // Written into the key's record, so after an unknown outcome a SERIAL
-        // read tells whether this request's own batch is the one that applied.
+        // Written into the key's record, so a refusal or a SERIAL read tells
+        // whether this request's own batch is the one that applied.
         let owner = Uuid::new_v4();
-        let mut serial = false;
-        // Whether the last attempt's outcome is still unknown.
-        let mut unknown = false;
-        let mut attempt: Option<Attempt> = None;
-        let mut intent: Option<Slot> = None;
+        // Three independent round trips, together rather than in turn: the
+        // totals the answer shows, the outbox intent (before the change can
+        // commit, so the relay can find it) and the registry entry (before a
+        // first reaction commits, so the sweep can find it; remembered, so
+        // once per target and process).
+        let (before, intent, ()) = tokio::try_join!(
+            self.counts.get(&vote.target_id),
+            self.store.outbox.intend(user, key),
+            self.store
+                .targets
+                .register(&vote.target_id, vote.target_type),
+        )?;
+        // Optimistic: what this process last saw of the row, else no row. A
+        // wrong guess costs one refused round, which returns the truth.
+        let mut current = self.hints.get(user, &vote.target_id);
+        let mut refusals = 0u32;
 
-        for n in 0..=self.config.max_attempts {
-            let snap = if unknown {
-                let snap = self
-                    .learn_outcome(user, &vote.target_id, key, started)
-                    .await?;
-                let applied = snap.record.as_ref().is_some_and(|r| r.owner == owner);
-                crate::metrics::unknown_resolved(if applied { "applied" } else { "not_applied" });
-                snap
-            } else {
-                self.store
-                    .reactions
-                    .snapshot(user, &vote.target_id, key, serial)
-                    .await?
-            };
-
-            if let Some(record) = snap.record {
-                if record.owner == owner {
-                    // Our own write, whose outcome was unknown, did apply.
-                    return match attempt {
-                        Some(a) => Ok(self.after_commit(a, user, key, intent, request_id).await),
-                        None => Err(CastError::Unexpected(anyhow::anyhow!(
-                            "lost track of an applied write"
-                        ))),
-                    };
-                }
-                if record.request_hash != hash {
-                    return Err(CastError::KeyReused);
-                }
-                self.after.republish(&record, user, key, request_id);
-                return Ok(Answer {
-                    status: record.status,
-                    body: record.body,
-                    replayed: true,
-                });
-            }
-            // The read was at SERIAL after any attempt: none of ours applied.
-            unknown = false;
-            if n == self.config.max_attempts || started.elapsed() >= self.config.deadline {
+        for n in 0..self.config.max_attempts {
+            if started.elapsed() >= self.config.deadline {
                 break;
             }
-
-            let from = snap.current.map_or(Reaction::None, |c| c.state);
-            let before = self.counts.get(&vote.target_id).await?;
-            let delta = Delta::between(from, vote.action);
-            let version = snap.current.map_or(1, |c| c.version + 1);
-            let a = Attempt {
-                transition: (from != vote.action).then(|| Transition {
-                    target_id: vote.target_id.clone(),
-                    target_type: vote.target_type,
-                    user_id: user.clone(),
-                    from,
-                    to: vote.action,
-                    version,
-                    occurred_at: now_rfc3339(),
-                }),
-                body: body(&vote.target_id, before.apply(delta), vote.action)?,
+            let attempt = self.attempt(user, vote, current, before, &hash, owner, intent)?;
+            let written = match &attempt.transition {
+                Some(_) => {
+                    let change = Change {
+                        user,
+                        target: &vote.target_id,
+                        target_type: vote.target_type,
+                        expected: current,
+                        to: vote.action,
+                        key,
+                        record: &attempt.record,
+                    };
+                    self.store.reactions.commit(&change).await
+                }
+                // Already in that state: nothing changes, but the key is
+                // recorded so a late retry of it cannot undo a later click.
+                None => {
+                    self.store
+                        .reactions
+                        .record(user, key, &attempt.record)
+                        .await
+                }
             };
-            if a.transition.is_some() && intent.is_none() {
-                // Before the change can commit, so the relay can find it.
-                intent = Some(self.store.outbox.intend(user, key).await?);
+            crate::metrics::cas_outcome("vote", written.label());
+            let refused = matches!(written, Written::Refused(_));
+            let snap = match written {
+                Written::Applied => {
+                    if let Some(t) = &attempt.transition {
+                        self.hints.remember(user, &vote.target_id, t.to, t.version);
+                    }
+                    return Ok(self.after_commit(attempt, user, key, request_id).await);
+                }
+                Written::Refused(snap) => snap,
+                Written::Unknown(e) => {
+                    tracing::warn!(user = %user, target_id = %vote.target_id, error = format!("{e:#}"), "conditional write outcome unknown; reading at SERIAL");
+                    let snap = self
+                        .learn_outcome(user, &vote.target_id, key, started)
+                        .await?;
+                    let applied = snap.record.as_ref().is_some_and(|r| r.owner == owner);
+                    crate::metrics::unknown_resolved(if applied {
+                        "applied"
+                    } else {
+                        "not_applied"
+                    });
+                    snap
+                }
+                Written::Failed(e) => return Err(StoreError::Request(e).into()),
+            };
+            if let Some(record) = snap.record {
+                return self
+                    .answer_recorded(record, owner, &hash, user, key, intent, request_id)
+                    .await;
             }
-            let transition = match &a.transition {
-                Some(t) => Some(
-                    String::from_utf8(t.to_json().map_err(|e| CastError::Unexpected(e.into()))?)
-                        .map_err(|e| CastError::Unexpected(e.into()))?,
+            if let Some(c) = snap.current {
+                self.hints
+                    .remember(user, &vote.target_id, c.state, c.version);
+            }
+            if refused && snap.current == current {
+                // Refused with the row as expected and no record: only a
+                // record that is not whole explains it, and it will not heal.
+                return Err(CastError::Unexpected(anyhow::anyhow!(
+                    "the key's row exists but holds no whole record"
+                )));
+            }
+            current = snap.current;
+            refusals += 1;
+            if refusals > 1 {
+                tracing::debug!(user = %user, target_id = %vote.target_id, attempt = n, "conditional write lost a race; retrying");
+                // Another vote of this user keeps moving the row: spread out.
+                tokio::time::sleep(Duration::from_millis(
+                    2 + u64::from(n) * 5 + u64::from(owner.as_bytes()[n as usize % 16] % 8),
+                ))
+                .await;
+            }
+        }
+        Err(CastError::Contention)
+    }
+
+    /// The change (or none) and the record one attempt writes, given what it
+    /// expects the user's row to hold.
+    #[allow(clippy::too_many_arguments)]
+    fn attempt(
+        &self,
+        user: &UserId,
+        vote: &Vote,
+        current: Option<Current>,
+        before: Totals,
+        hash: &str,
+        owner: Uuid,
+        intent: Slot,
+    ) -> Result<Attempt, CastError> {
+        let from = current.map_or(Reaction::None, |c| c.state);
+        let transition = (from != vote.action).then(|| Transition {
+            target_id: vote.target_id.clone(),
+            target_type: vote.target_type,
+            user_id: user.clone(),
+            from,
+            to: vote.action,
+            version: current.map_or(1, |c| c.version + 1),
+            occurred_at: now_rfc3339(),
+        });
+        let json = match &transition {
+            Some(t) => Some(
+                String::from_utf8(t.to_json().map_err(|e| CastError::Unexpected(e.into()))?)
+                    .map_err(|e| CastError::Unexpected(e.into()))?,
+            ),
+            None => None,
+        };
+        let body = body(
+            &vote.target_id,
+            before.apply(Delta::between(from, vote.action)),
+            vote.action,
+        )?;
+        Ok(Attempt {
+            record: KeyRecord {
+                request_hash: hash.to_owned(),
+                owner,
+                status: 200,
+                body,
+                intent_bucket: json.as_ref().map(|_| intent.bucket),
+                transition: json,
+            },
+            transition,
+            intent,
+        })
+    }
+
+    /// The answer when the key's record exists: this request's own write
+    /// (whose outcome was unknown) applied, or the key was used before.
+    #[allow(clippy::too_many_arguments)]
+    async fn answer_recorded(
+        &self,
+        record: KeyRecord,
+        owner: Uuid,
+        hash: &str,
+        user: &UserId,
+        key: &IdempotencyKey,
+        intent: Slot,
+        request_id: &str,
+    ) -> Result<Answer, CastError> {
+        if record.owner == owner {
+            // The record says what the write that applied was.
+            let transition = match &record.transition {
+                Some(json) => Some(
+                    Transition::from_json(json.as_bytes())
+                        .map_err(|e| CastError::Unexpected(anyhow::anyhow!("{e}")))?,
                 ),
                 None => None,
             };
-            let record = KeyRecord {
-                request_hash: hash.clone(),
-                owner,
-                status: 200,
-                body: a.body.clone(),
+            let attempt = Attempt {
                 transition,
-                intent_bucket: intent.map(|slot| slot.bucket),
+                record,
+                intent,
             };
-
-            let outcome = if a.transition.is_some() {
-                if snap.current.is_none() {
-                    // Before the first reaction commits, so the sweep can find it.
-                    self.store
-                        .targets
-                        .register(&vote.target_id, vote.target_type)
-                        .await?;
-                }
-                let change = Change {
-                    user,
-                    target: &vote.target_id,
-                    target_type: vote.target_type,
-                    expected: snap.current.map(|c| c.version),
-                    to: vote.action,
-                    key,
-                    record: &record,
-                };
-                self.store.reactions.commit(&change).await
-            } else {
-                // Already in that state: nothing changes, but the key is
-                // recorded so a late retry of it cannot undo a later click.
-                self.store.reactions.record(user, key, &record).await
-            };
-            crate::metrics::cas("vote", &outcome);
-            match outcome {
-                Cas::Applied => {
-                    return Ok(self.after_commit(a, user, key, intent, request_id).await);
-                }
-                Cas::NotApplied => {
-                    tracing::debug!(user = %user, target_id = %vote.target_id, attempt = n, "conditional write lost a race; retrying");
-                }
-                Cas::Unknown(e) => {
-                    unknown = true;
-                    tracing::warn!(user = %user, target_id = %vote.target_id, error = format!("{e:#}"), "conditional write outcome unknown; reading at SERIAL");
-                }
-                Cas::Failed(e) => return Err(StoreError::Request(e).into()),
-            }
-            attempt = Some(a);
-            serial = true;
-            // Spread out contending retries of one user.
-            tokio::time::sleep(Duration::from_millis(
-                2 + u64::from(n) * 5 + u64::from(owner.as_bytes()[n as usize % 16] % 8),
-            ))
-            .await;
+            return Ok(self.after_commit(attempt, user, key, request_id).await);
         }
-        Err(CastError::Contention)
+        if record.request_hash != hash {
+            return Err(CastError::KeyReused);
+        }
+        self.after.republish(&record, user, key, request_id);
+        Ok(Answer {
+            status: record.status,
+            body: record.body,
+            replayed: true,
+        })
     }
 
     /// After a conditional write whose outcome is unknown, reads at SERIAL
@@ -342,9 +443,9 @@ impl Caster {
         attempt: Attempt,
         user: &UserId,
         key: &IdempotencyKey,
-        intent: Option<Slot>,
         request_id: &str,
     ) -> Answer {
+        let intent = Some(attempt.intent);
         if let Some(transition) = attempt.transition {
             let (cached, cache_done) = tokio::sync::oneshot::channel();
             let (published, publish_done) = tokio::sync::oneshot::channel();
@@ -369,11 +470,13 @@ impl Caster {
             });
             // Only a panic in the task can drop a sender; the vote stands.
             let _ = cache_done.await;
-            let _ = tokio::time::timeout(self.config.publish_wait, publish_done).await;
+            if !self.config.publish_wait.is_zero() {
+                let _ = tokio::time::timeout(self.config.publish_wait, publish_done).await;
+            }
         }
         Answer {
             status: 200,
-            body: attempt.body,
+            body: attempt.record.body,
             replayed: false,
         }
     }

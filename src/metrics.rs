@@ -176,5 +176,10 @@ pub fn cas(statement: &'static str, outcome: &crate::store::Cas) {
         Cas::Unknown(_) => "unknown",
         Cas::Failed(_) => "failed",
     };
+    cas_outcome(statement, outcome);
+}
+
+/// Counts one conditional write's outcome, by its name.
+pub fn cas_outcome(statement: &'static str, outcome: &'static str) {
     metrics::counter!(CAS, "statement" => statement, "outcome" => outcome).increment(1);
 }

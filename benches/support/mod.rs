@@ -142,62 +142,103 @@ pub async fn lwt_vote(
     target: &tally::domain::TargetId,
     n: u64,
 ) -> tally::store::Cas {
-    vote_with(store, user, target, n, false).await
-}
-
-/// The same vote as the API casts it now: its outbox intent first, and its
-/// transition stored in the record by the same conditional batch.
-pub async fn lwt_vote_with_outbox(
-    store: &tally::store::Store,
-    user: &tally::domain::UserId,
-    target: &tally::domain::TargetId,
-    n: u64,
-) -> tally::store::Cas {
-    vote_with(store, user, target, n, true).await
-}
-
-async fn vote_with(
-    store: &tally::store::Store,
-    user: &tally::domain::UserId,
-    target: &tally::domain::TargetId,
-    n: u64,
-    outbox: bool,
-) -> tally::store::Cas {
-    use tally::domain::{IdempotencyKey, Reaction, TargetType, Transition};
-    use tally::store::Cas;
-    use tally::store::reactions::{Change, KeyRecord};
-    let key = match IdempotencyKey::parse(&format!("k{n}-{}", uuid::Uuid::new_v4().simple())) {
+    let key = match bench_key(n) {
         Ok(k) => k,
-        Err(e) => return Cas::Failed(e.into()),
+        Err(e) => return tally::store::Cas::Failed(e),
     };
     let snap = match store.reactions.snapshot(user, target, &key, false).await {
         Ok(s) => s,
-        Err(e) => return Cas::Unknown(e.into()),
+        Err(e) => return tally::store::Cas::Unknown(e.into()),
     };
-    let from = snap.current.map_or(Reaction::None, |c| c.state);
-    let to = if from == Reaction::Like {
-        Reaction::Dislike
-    } else {
-        Reaction::Like
+    let (change, _) = flip(snap.current);
+    cas(write(store, user, target, &key, snap.current, change, None).await)
+}
+
+/// One vote as the API casts it now: its outbox intent, then the
+/// conditional batch guessing the row holds `guess`, and on a refusal again
+/// with what the refusal returned (no read of its own).
+pub async fn lwt_vote_optimistic(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    n: u64,
+    guess: Option<tally::store::reactions::Current>,
+) -> tally::store::Cas {
+    use tally::store::reactions::Written;
+    let key = match bench_key(n) {
+        Ok(k) => k,
+        Err(e) => return tally::store::Cas::Failed(e),
     };
-    let (transition, intent_bucket) = if outbox {
-        let slot = match store.outbox.intend(user, &key).await {
-            Ok(slot) => slot,
-            Err(e) => return Cas::Failed(e.into()),
-        };
-        let t = Transition {
-            target_id: target.clone(),
-            target_type: TargetType::Video,
-            user_id: user.clone(),
-            from,
+    let slot = match store.outbox.intend(user, &key).await {
+        Ok(slot) => slot,
+        Err(e) => return tally::store::Cas::Failed(e.into()),
+    };
+    let mut current = guess;
+    for _ in 0..4 {
+        let (to, version) = flip(current);
+        match write(
+            store,
+            user,
+            target,
+            &key,
+            current,
             to,
-            version: snap.current.map_or(1, |c| c.version + 1),
-            occurred_at: "2026-11-30T00:00:00.000Z".into(),
-        };
-        let json = t.to_json().ok().and_then(|j| String::from_utf8(j).ok());
-        (json, Some(slot.bucket))
-    } else {
-        (None, None)
+            Some((slot.bucket, version)),
+        )
+        .await
+        {
+            Written::Refused(snap) if snap.record.is_none() => current = snap.current,
+            other => return cas(other),
+        }
+    }
+    tally::store::Cas::NotApplied
+}
+
+fn bench_key(n: u64) -> anyhow::Result<tally::domain::IdempotencyKey> {
+    Ok(tally::domain::IdempotencyKey::parse(&format!(
+        "k{n}-{}",
+        uuid::Uuid::new_v4().simple()
+    ))?)
+}
+
+/// The reaction a bench vote moves to from `current`, and its version.
+fn flip(current: Option<tally::store::reactions::Current>) -> (tally::domain::Reaction, i64) {
+    use tally::domain::Reaction;
+    let to = match current {
+        Some(c) if c.state == Reaction::Like => Reaction::Dislike,
+        _ => Reaction::Like,
+    };
+    (to, current.map_or(1, |c| c.version + 1))
+}
+
+/// The conditional batch; with `outbox` (the intent's bucket and the new
+/// version), its record carries the transition as the API's does.
+async fn write(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    key: &tally::domain::IdempotencyKey,
+    current: Option<tally::store::reactions::Current>,
+    to: tally::domain::Reaction,
+    outbox: Option<(i64, i64)>,
+) -> tally::store::reactions::Written {
+    use tally::domain::{Reaction, TargetType, Transition};
+    use tally::store::reactions::{Change, KeyRecord};
+    let (transition, intent_bucket) = match outbox {
+        Some((bucket, version)) => {
+            let t = Transition {
+                target_id: target.clone(),
+                target_type: TargetType::Video,
+                user_id: user.clone(),
+                from: current.map_or(Reaction::None, |c| c.state),
+                to,
+                version,
+                occurred_at: "2026-11-30T00:00:00.000Z".into(),
+            };
+            let json = t.to_json().ok().and_then(|j| String::from_utf8(j).ok());
+            (json, Some(bucket))
+        }
+        None => (None, None),
     };
     let record = KeyRecord {
         request_hash: "h".into(),
@@ -211,12 +252,22 @@ async fn vote_with(
         user,
         target,
         target_type: TargetType::Video,
-        expected: snap.current.map(|c| c.version),
+        expected: current,
         to,
-        key: &key,
+        key,
         record: &record,
     };
     store.reactions.commit(&change).await
+}
+
+fn cas(written: tally::store::reactions::Written) -> tally::store::Cas {
+    use tally::store::{Cas, reactions::Written};
+    match written {
+        Written::Applied => Cas::Applied,
+        Written::Refused(_) => Cas::NotApplied,
+        Written::Unknown(e) => Cas::Unknown(e),
+        Written::Failed(e) => Cas::Failed(e),
+    }
 }
 
 /// Latency percentiles in milliseconds, from a histogram of microseconds.

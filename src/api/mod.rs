@@ -52,9 +52,10 @@ pub struct ApiConfig {
     #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
 
-    /// How long an answer waits for Kafka to acknowledge its transition. A
-    /// vote never waits longer, however long Kafka is away.
-    #[arg(long = "publish-wait", env = "TALLY_PUBLISH_WAIT", default_value = "500ms", value_parser = humantime::parse_duration)]
+    /// How long an answer waits for Kafka to acknowledge its transition
+    /// (0s: not at all; the transition is already durable with the change,
+    /// and the relay publishes what the vote's own task does not).
+    #[arg(long = "publish-wait", env = "TALLY_PUBLISH_WAIT", default_value = "0s", value_parser = humantime::parse_duration)]
     pub publish_wait: Duration,
 
     /// Votes per second each user may cast (a token bucket; 429 beyond it).

@@ -12,7 +12,7 @@ use scylla::statement::prepared::PreparedStatement;
 use scylla::value::CqlTimestamp;
 use uuid::Uuid;
 
-use super::{Cas, StoreError, classify};
+use super::{Cas, StoreError};
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
 /// The types of an idempotency record's columns (request_hash,
@@ -55,6 +55,29 @@ pub struct KeyRecord {
     pub intent_bucket: Option<i64>,
 }
 
+/// What a conditional write of the user's partition did. A refusal carries
+/// what the partition holds, as the Paxos round read it: the user's row and
+/// the key's record, so the next attempt needs no read of its own.
+#[derive(Debug)]
+pub enum Written {
+    Applied,
+    Refused(Snapshot),
+    Unknown(anyhow::Error),
+    Failed(anyhow::Error),
+}
+
+impl Written {
+    /// The outcome's name, as metrics count it.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Written::Applied => "applied",
+            Written::Refused(_) => "not_applied",
+            Written::Unknown(_) => "unknown",
+            Written::Failed(_) => "failed",
+        }
+    }
+}
+
 /// The rows a vote needs, read together from the user's partition.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -67,8 +90,9 @@ pub struct Change<'a> {
     pub user: &'a UserId,
     pub target: &'a TargetId,
     pub target_type: TargetType,
-    /// The version the change is conditioned on; `None` for a first reaction.
-    pub expected: Option<i64>,
+    /// What the change expects the user's row to hold; `None` for a first
+    /// reaction.
+    pub expected: Option<Current>,
     pub to: Reaction,
     pub key: &'a IdempotencyKey,
     pub record: &'a KeyRecord,
@@ -138,10 +162,12 @@ impl Reactions {
             )
             .await
             .context("prepare first reaction")?;
+        // Conditioned on the state too, though the version implies it: a
+        // refusal then returns both, and the next attempt knows its `from`.
         let update_next = session
             .prepare(
                 "UPDATE reactions SET target_type = ?, state = ?, version = ?, updated_at = ? \
-                 WHERE user_id = ? AND target_id = ? IF version = ?",
+                 WHERE user_id = ? AND target_id = ? IF state = ? AND version = ?",
             )
             .await
             .context("prepare next reaction")?;
@@ -193,29 +219,13 @@ impl Reactions {
             &self.snapshot
         };
         let key_row = key_row(key);
-        // The reaction's columns, then the record's.
-        type Row = record_columns!(String, Option<String>, Option<i64>);
-        let rows: Vec<Row> = super::all_rows(
+        let rows: Vec<SnapshotRow> = super::all_rows(
             &self.session,
             stmt,
             (user.as_str(), target.as_str(), key_row.as_str()),
         )
         .await?;
-        let mut snap = Snapshot::default();
-        for (clustering, state, version, hash, owner, status, body, transition, bucket) in rows {
-            if clustering == key_row {
-                snap.record = key_record((hash, owner, status, body, transition, bucket))?;
-            } else if let (Some(state), Some(version)) = (state, version) {
-                let state =
-                    state
-                        .parse()
-                        .map_err(|e: crate::domain::reaction::UnknownReaction| {
-                            StoreError::Corrupt(e.to_string())
-                        })?;
-                snap.current = Some(Current { state, version });
-            }
-        }
-        Ok(snap)
+        fold_rows(&key_row, rows)
     }
 
     /// The key's record, read at LOCAL_SERIAL: any Paxos round still in
@@ -239,8 +249,10 @@ impl Reactions {
         }
     }
 
-    /// Writes the change and its key record in one conditional batch.
-    pub async fn commit(&self, change: &Change<'_>) -> Cas {
+    /// Writes the change and its key record in one conditional batch: one
+    /// Paxos round, which also tells a replay (the key's record exists) and a
+    /// stale expectation (the row holds something else) apart.
+    pub async fn commit(&self, change: &Change<'_>) -> Written {
         let now = CqlTimestamp(now_millis());
         let (user, target) = (change.user.as_str(), change.target.as_str());
         let key_row = key_row(change.key);
@@ -258,32 +270,33 @@ impl Reactions {
                     .batch(&self.first_change, (first, record))
                     .await
             }
-            Some(version) => {
+            Some(current) => {
                 let next = (
                     change.target_type.as_str(),
                     change.to.as_str(),
-                    version + 1,
+                    current.version + 1,
                     now,
                     user,
                     target,
-                    version,
+                    current.state.as_str(),
+                    current.version,
                 );
                 self.session.batch(&self.next_change, (next, record)).await
             }
         };
-        classify(result)
+        written(&key_row, result)
     }
 
     /// Records a key whose request changed nothing (the user already had
     /// that state), so its retries get the same answer.
-    pub async fn record(&self, user: &UserId, key: &IdempotencyKey, record: &KeyRecord) -> Cas {
+    pub async fn record(&self, user: &UserId, key: &IdempotencyKey, record: &KeyRecord) -> Written {
         let key_row = key_row(key);
         let values = self.record_values(user, &key_row, record);
-        classify(
-            self.session
-                .execute_unpaged(&self.record_only, values)
-                .await,
-        )
+        let result = self
+            .session
+            .execute_unpaged(&self.record_only, values)
+            .await;
+        written(&key_row, result)
     }
 
     /// The bound values of `record_only`, the insert of a key's record.
@@ -385,6 +398,123 @@ pub struct Counted {
 
 /// The columns of an idempotency record.
 type RecordRow = record_columns!();
+
+/// A row of the user's partition as a vote reads it: the clustering value,
+/// the reaction's columns, then the record's.
+type SnapshotRow = record_columns!(String, Option<String>, Option<i64>);
+
+/// The user's row and the key's record, from the rows of their partition.
+fn fold_rows(
+    key_row: &str,
+    rows: impl IntoIterator<Item = SnapshotRow>,
+) -> Result<Snapshot, StoreError> {
+    let mut snap = Snapshot::default();
+    for (clustering, state, version, hash, owner, status, body, transition, bucket) in rows {
+        if clustering == key_row {
+            snap.record = key_record((hash, owner, status, body, transition, bucket))?;
+        } else if let (Some(state), Some(version)) = (state, version) {
+            let state = state
+                .parse()
+                .map_err(|e: crate::domain::reaction::UnknownReaction| {
+                    StoreError::Corrupt(e.to_string())
+                })?;
+            snap.current = Some(Current { state, version });
+        }
+    }
+    Ok(snap)
+}
+
+/// Sorts the answer to a conditional write of the user's partition. Every
+/// such write conditions the key's row on `IF NOT EXISTS`, so Cassandra
+/// answers a refusal with every column of the rows it read (the user's row
+/// and the key's, those that exist), whatever their order.
+fn written(
+    key_row: &str,
+    result: Result<scylla::response::query_result::QueryResult, scylla::errors::ExecutionError>,
+) -> Written {
+    let result = match result {
+        Ok(r) => r,
+        Err(e) => {
+            return match super::classify(Err(e)) {
+                Cas::Failed(e) => Written::Failed(e),
+                Cas::Unknown(e) => Written::Unknown(e),
+                Cas::Applied | Cas::NotApplied => {
+                    Written::Unknown(anyhow::anyhow!("an error classified as an outcome"))
+                }
+            };
+        }
+    };
+    match refused_rows(result) {
+        Ok(None) => Written::Applied,
+        Ok(Some(rows)) => match fold_rows(key_row, rows) {
+            Ok(snap) => Written::Refused(snap),
+            Err(e) => Written::Unknown(e.into()),
+        },
+        Err(e) => Written::Unknown(e),
+    }
+}
+
+/// `None` when the write applied; else the rows it returned, by column name.
+fn refused_rows(
+    result: scylla::response::query_result::QueryResult,
+) -> anyhow::Result<Option<Vec<SnapshotRow>>> {
+    use scylla::value::{CqlValue, Row};
+    let rows = result
+        .into_rows_result()
+        .context("A conditional write returned no rows")?;
+    let names: Vec<String> = rows
+        .column_specs()
+        .iter()
+        .map(|c| c.name().to_owned())
+        .collect();
+    if names.first().map(String::as_str) != Some("[applied]") {
+        anyhow::bail!("A conditional write returned no [applied] column");
+    }
+    let at = |name: &str| names.iter().position(|n| n == name);
+    let columns = [
+        "target_id",
+        "state",
+        "version",
+        "request_hash",
+        "request_owner",
+        "response_status",
+        "response_body",
+        "transition",
+        "intent_bucket",
+    ]
+    .map(at);
+    let mut out = Vec::new();
+    for row in rows.rows::<Row>().context("Failed to read a refusal")? {
+        let row = row.context("Failed to read a refusal's row")?;
+        let applied = row
+            .columns
+            .first()
+            .and_then(|v| v.as_ref())
+            .and_then(CqlValue::as_boolean)
+            .context("[applied] was not a boolean")?;
+        if applied {
+            return Ok(None);
+        }
+        let value = |i: usize| columns[i].and_then(|at| row.columns.get(at).cloned().flatten());
+        let text = |i: usize| value(i).and_then(CqlValue::into_string);
+        let Some(clustering) = text(0) else {
+            // The [applied] row of a refusal that read no existing row.
+            continue;
+        };
+        out.push((
+            clustering,
+            text(1),
+            value(2).and_then(|v| v.as_bigint()),
+            text(3),
+            value(4).and_then(|v| v.as_uuid()),
+            value(5).and_then(|v| v.as_int()),
+            text(6),
+            text(7),
+            value(8).and_then(|v| v.as_bigint()),
+        ));
+    }
+    Ok(Some(out))
+}
 
 /// A record from its columns; `None` for a row that is not a whole record.
 fn key_record(

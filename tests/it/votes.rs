@@ -301,3 +301,92 @@ async fn the_summary_gives_counts_and_only_the_callers_own_state() -> TestResult
     );
     Ok(())
 }
+
+/// The vote's write is one conditional batch that needs no read before it:
+/// a wrong guess of the row is refused with what the row holds, and a reused
+/// key is refused with its record, each in the same round.
+#[tokio::test]
+async fn a_refused_vote_write_returns_the_row_and_the_record_it_was_refused_on() -> TestResult {
+    use tally::domain::{IdempotencyKey, TargetId, TargetType, UserId};
+    use tally::store::reactions::{Change, Current, KeyRecord, Written};
+
+    let env = TestEnv::new().await;
+    let store =
+        tally::store::Store::open(&env.cassandra, std::time::Duration::from_secs(60)).await?;
+    let (user, target) = (UserId::parse("guesser")?, TargetId::parse("video_guess")?);
+    let record = |body: &str| KeyRecord {
+        request_hash: "h".into(),
+        owner: uuid::Uuid::new_v4(),
+        status: 200,
+        body: body.into(),
+        transition: None,
+        intent_bucket: None,
+    };
+    let write = |expected: Option<Current>, to: Reaction, key: IdempotencyKey, r: KeyRecord| {
+        let (store, user, target) = (&store, &user, &target);
+        async move {
+            let change = Change {
+                user,
+                target,
+                target_type: TargetType::Video,
+                expected,
+                to,
+                key: &key,
+                record: &r,
+            };
+            store.reactions.commit(&change).await
+        }
+    };
+    let first_key = IdempotencyKey::parse(&new_key())?;
+    let first = write(None, Reaction::Like, first_key.clone(), record("first")).await;
+    assert!(matches!(first, Written::Applied), "{first:?}");
+
+    // Guessing "no row" again: refused, with the row as it is and no record.
+    let guess = write(
+        None,
+        Reaction::Dislike,
+        IdempotencyKey::parse(&new_key())?,
+        record("second"),
+    )
+    .await;
+    let Written::Refused(snap) = guess else {
+        anyhow::bail!("a wrong guess applied: {guess:?}");
+    };
+    let liked = Current {
+        state: Reaction::Like,
+        version: 1,
+    };
+    assert_eq!(snap.current, Some(liked));
+    assert!(snap.record.is_none(), "{snap:?}");
+
+    // The right guess, from the refusal, applies.
+    let second = write(
+        Some(liked),
+        Reaction::Dislike,
+        IdempotencyKey::parse(&new_key())?,
+        record("second"),
+    )
+    .await;
+    assert!(matches!(second, Written::Applied), "{second:?}");
+
+    // The first key again, guessing right: refused on the key's record.
+    let replay = write(
+        Some(Current {
+            state: Reaction::Dislike,
+            version: 2,
+        }),
+        Reaction::Like,
+        first_key,
+        record("again"),
+    )
+    .await;
+    let Written::Refused(snap) = replay else {
+        anyhow::bail!("a reused key applied: {replay:?}");
+    };
+    assert_eq!(snap.record.map(|r| r.body).as_deref(), Some("first"));
+    assert_eq!(
+        snap.current.map(|c| (c.state, c.version)),
+        Some((Reaction::Dislike, 2))
+    );
+    Ok(())
+}
