@@ -464,6 +464,9 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         user_rate: 1000.0,
         user_burst: 1000,
         max_in_flight: 4096,
+        min_in_flight: 4,
+        slow_request: Duration::from_millis(500),
+        admission_target: Duration::from_secs(60),
         consumer_group: format!("bench-e2e-{}", std::process::id()),
         relay: tally::relay::RelayConfig {
             settle: Duration::from_secs(20),

@@ -46,6 +46,10 @@ pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
 pub const EVENTS: &str = "tally_consumer_events_total";
 pub const HTTP_RESPONSES: &str = "tally_http_responses_total";
+/// The adaptive admission limit, by kind (vote, summary).
+pub const ADMISSION_LIMIT: &str = "tally_admission_limit";
+/// Requests refused by admission (503), by kind.
+pub const ADMISSION_REFUSED: &str = "tally_admission_refused_total";
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -156,6 +160,14 @@ fn describe() {
     );
     describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
     describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
+    describe_gauge!(
+        ADMISSION_LIMIT,
+        "requests of a kind (vote, summary) admitted at once, adapted to their latency"
+    );
+    describe_counter!(
+        ADMISSION_REFUSED,
+        "requests refused with 503 because the admission limit was reached, by kind"
+    );
     describe_counter!(
         UNKNOWN_RESOLVED,
         "votes whose conditional write timed out, by what the SERIAL read found"

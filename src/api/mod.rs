@@ -2,6 +2,7 @@
 //! `cast` or `counts`, and map errors to HTTP in `error`.
 
 pub mod admin;
+pub mod admission;
 mod caller;
 pub mod error;
 pub mod limit;
@@ -13,7 +14,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::body::MessageBody;
+use actix_web::body::{EitherBody, MessageBody};
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::{Next, from_fn};
@@ -66,9 +67,24 @@ pub struct ApiConfig {
     #[arg(long = "user-burst", env = "TALLY_USER_BURST", default_value_t = 60)]
     pub user_burst: u32,
 
-    /// Votes processed at once; more are answered 503 with Retry-After.
+    /// The most votes (and, apart, summaries) processed at once. Below it
+    /// the admission limit adapts to latency (`--admission-target`); above
+    /// the limit requests are answered 503 with Retry-After at once.
     #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
+
+    /// The fewest requests of a kind admitted at once, however slow.
+    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 4)]
+    pub min_in_flight: usize,
+
+    /// While requests of a kind take longer than this on average, fewer are
+    /// admitted at once; while they are faster, more.
+    #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "25ms", value_parser = humantime::parse_duration)]
+    pub admission_target: Duration,
+
+    /// Requests slower than this are logged at WARN, whatever the filter.
+    #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub slow_request: Duration,
 
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
     #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
@@ -90,7 +106,11 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub reconciler: Reconciler,
     pub limiter: limit::UserLimiter,
-    pub in_flight: tokio::sync::Semaphore,
+    /// Admission of votes and of summaries, each adapting on its own.
+    pub votes: Arc<admission::Admission>,
+    pub summaries: Arc<admission::Admission>,
+    /// Requests slower than this are always in the access log.
+    pub slow_request: Duration,
 }
 
 /// The id of one HTTP request: the caller's `X-Request-Id` if it sent a sane
@@ -147,14 +167,20 @@ impl Application {
         )?);
         let metrics = web::Data::new(crate::metrics::install());
         let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
-        let in_flight = tokio::sync::Semaphore::new(config.max_in_flight.max(1));
+        let admission = admission::AdmissionConfig {
+            target: config.admission_target,
+            min: config.min_in_flight,
+            max: config.max_in_flight,
+        };
         let state = web::Data::new(AppState {
             caster,
             counts,
             store,
             reconciler,
             limiter,
-            in_flight,
+            votes: admission::Admission::new("vote", admission),
+            summaries: admission::Admission::new("summary", admission),
+            slow_request: config.slow_request,
         });
 
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
@@ -172,6 +198,7 @@ impl Application {
                 .app_data(verifier.clone())
                 .app_data(readiness.clone())
                 .app_data(metrics.clone())
+                .wrap(from_fn(admit))
                 .wrap(from_fn(observe))
                 .service(
                     web::resource("/v1/votes")
@@ -228,6 +255,54 @@ async fn openapi() -> HttpResponse {
         .body(openapi::document())
 }
 
+/// The access log: one compact line per request under the target
+/// `tally::access`, outside the request's span so its fields are not
+/// repeated. Answers of 5xx and slower than `--slow-request` are WARN, and
+/// always written; the rest are INFO, which the default filter leaves out
+/// (`RUST_LOG=info,tally::access=info` writes them: about 200 bytes each).
+fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Duration) {
+    let slow = res
+        .request()
+        .app_data::<web::Data<AppState>>()
+        .map_or(Duration::MAX, |s| s.slow_request);
+    let status = res.status().as_u16();
+    let ms = elapsed.as_secs_f64() * 1000.0;
+    let (method, path) = (res.request().method().as_str(), res.request().path());
+    if status >= 500 || elapsed >= slow {
+        tracing::warn!(target: "tally::access", method, path, status, ms, request_id = id, "answered");
+    } else {
+        tracing::info!(target: "tally::access", method, path, status, ms, request_id = id, "answered");
+    }
+}
+
+/// Admits a vote or a summary request, or refuses it with 503 before any
+/// of its work (the token's signature, the body, the stores). A vote's
+/// permit goes into the request, for the vote's own task to hold.
+async fn admit(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    let admission = match (req.method().as_str(), req.path()) {
+        ("POST", "/v1/votes") => req.app_data::<web::Data<AppState>>().map(|s| &s.votes),
+        ("GET", "/v1/votes/summary") => req.app_data::<web::Data<AppState>>().map(|s| &s.summaries),
+        _ => None,
+    };
+    if let Some(admission) = admission {
+        let Some(permit) = admission.try_admit() else {
+            let refused = actix_web::ResponseError::error_response(&ApiError::Overloaded);
+            return Ok(req.into_response(refused).map_into_right_body());
+        };
+        req.extensions_mut().insert(Admitted(permit));
+    }
+    next.call(req)
+        .await
+        .map(ServiceResponse::map_into_left_body)
+}
+
+/// A request's admission permit, in its extensions until it ends (or, for a
+/// vote, until its task does).
+pub struct Admitted(pub admission::Permit);
+
 /// Around every request: its id (echoed back, on every log line of the
 /// request, carried into Kafka), its access log line, its status count, and
 /// for the two API endpoints, its latency labelled by outcome.
@@ -259,13 +334,7 @@ async fn observe(
         };
         metrics::histogram!(name, "outcome" => outcome).record(elapsed.as_secs_f64());
     }
-    span.in_scope(|| {
-        tracing::info!(
-            status = res.status().as_u16(),
-            elapsed_ms = elapsed.as_secs_f64() * 1000.0,
-            "answered"
-        );
-    });
+    access_log(&res, &id, elapsed);
     metrics::counter!(crate::metrics::HTTP_RESPONSES, "status" => res.status().as_u16().to_string())
         .increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {

@@ -2,7 +2,7 @@
 
 use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderMap};
-use actix_web::{HttpRequest, HttpResponse, web};
+use actix_web::{HttpMessage, HttpRequest, HttpResponse, web};
 use futures::StreamExt;
 use serde::Deserialize;
 use tracing::Instrument;
@@ -42,14 +42,12 @@ pub async fn cast(
     // The vote runs in a task of its own: a client that hangs up (actix
     // then drops this handler) cannot stop it between a conditional write
     // whose outcome is unknown and the SERIAL read that learns it. The
-    // task holds the in-flight permit until it ends, within its deadline.
+    // task holds the admission permit until it ends, within its deadline.
+    let permit = req.extensions_mut().remove::<super::Admitted>();
     let task = state.clone();
     let (user, request_id) = (caller.user, request_id.0.clone());
     let vote_task = async move {
-        let _permit = task
-            .in_flight
-            .try_acquire()
-            .map_err(|_| ApiError::Overloaded)?;
+        let _permit = permit;
         task.caster
             .cast(&user, &key, &vote, &request_id)
             .await

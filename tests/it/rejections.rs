@@ -521,3 +521,68 @@ async fn a_user_voting_too_fast_gets_429_with_retry_after_and_those_votes_change
     assert_eq!(other.status, 200, "the limit is per user");
     Ok(())
 }
+
+/// Above the admission limit a vote is refused with 503, `overloaded` and
+/// Retry-After before any of its work, and changes nothing; the admitted
+/// ones count.
+#[tokio::test]
+async fn votes_above_the_admission_limit_get_503_with_retry_after_and_change_nothing() -> TestResult
+{
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        max_in_flight: 2,
+        min_in_flight: 2,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let users: Vec<String> = (0..40).map(|i| format!("crowd{i}")).collect();
+    let replies = futures::future::join_all(
+        users
+            .iter()
+            .map(|u| app.vote(u, new_key(), "video_crowded", "like")),
+    )
+    .await;
+    let (mut admitted, mut refused) = (Vec::new(), Vec::new());
+    for (user, reply) in users.iter().zip(&replies) {
+        match reply.status {
+            200 => admitted.push(user),
+            503 => {
+                assert_eq!(
+                    reply.json()["error"]["code"],
+                    "overloaded",
+                    "{}",
+                    reply.body
+                );
+                assert!(
+                    reply.headers.contains_key("retry-after"),
+                    "{:?}",
+                    reply.headers
+                );
+                refused.push(user);
+            }
+            other => anyhow::bail!("{user}: {other} {}", reply.body),
+        }
+    }
+    assert!(
+        !admitted.is_empty() && !refused.is_empty(),
+        "{} admitted, {} refused",
+        admitted.len(),
+        refused.len()
+    );
+
+    // What users see: the admitted likes, and no state for the refused.
+    let served = app.summary("crowd0", "video_crowded").await.json();
+    assert_eq!(
+        served["items"]["video_crowded"]["likes"],
+        admitted.len(),
+        "{served}"
+    );
+    for user in refused {
+        let mine = app.summary(user, "video_crowded").await.json();
+        assert_eq!(
+            mine["items"]["video_crowded"]["user_state"], "none",
+            "{user}: {mine}"
+        );
+    }
+    Ok(())
+}

@@ -24,6 +24,12 @@ impl TestEnv {
             user_rate: 20.0,
             user_burst: 60,
             max_in_flight: 1024,
+            min_in_flight: 4,
+            slow_request: Duration::from_millis(500),
+            // Debug builds on a busy machine are slow; tests that race many
+            // requests must not be refused for it. The admission test sets
+            // its own limit.
+            admission_target: Duration::from_secs(60),
             consumer_group: self.group.clone(),
             // Tests that need the relay turn it on (`with_relay`).
             relay: tally::relay::RelayConfig {

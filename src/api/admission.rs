@@ -1,0 +1,222 @@
+//! Admission: how many requests of one kind run at once, adapted to what the
+//! stores finish in time.
+//!
+//! A fixed cap far above capacity lets admitted work queue inside Cassandra
+//! until every request is slow, while refused work still burns the CPU. This
+//! is an AIMD limit instead, on a moving average of how long requests take
+//! (so one slow answer, a GC pause, does not cut it). While the average is
+//! within the target, each request that finishes while the limit was in use
+//! raises the limit by 1/limit (one per limit's worth of requests); while it
+//! is above, the limit is cut by a tenth, at most once per target interval.
+//! It starts at its ceiling, so it only ever matters under load. Requests
+//! above the limit are refused at once, before the token is verified or the
+//! body read, with 503 and Retry-After.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionConfig {
+    /// While requests take longer than this on average, the limit falls.
+    pub target: Duration,
+    /// The limit never falls below this: some work always runs.
+    pub min: usize,
+    /// Nor rises above this.
+    pub max: usize,
+}
+
+pub struct Admission {
+    kind: &'static str,
+    config: AdmissionConfig,
+    state: Mutex<State>,
+}
+
+struct State {
+    limit: f64,
+    in_flight: usize,
+    /// Moving average of how long requests took, in seconds.
+    average: f64,
+    last_cut: Option<Instant>,
+}
+
+/// The weight of the newest answer in the moving average.
+const WEIGHT: f64 = 0.1;
+
+/// A request's place among those running; giving it back (drop) reports how
+/// long the request took.
+pub struct Permit {
+    admission: Arc<Admission>,
+    started: Instant,
+    /// Whether the limit was in use when this request was admitted: only
+    /// then does a fast answer say the limit may grow.
+    busy: bool,
+}
+
+impl Admission {
+    pub fn new(kind: &'static str, config: AdmissionConfig) -> Arc<Admission> {
+        let min = config.min.max(1);
+        let config = AdmissionConfig {
+            min,
+            max: config.max.max(min),
+            ..config
+        };
+        let admission = Admission {
+            kind,
+            config,
+            state: Mutex::new(State {
+                limit: config.max as f64,
+                in_flight: 0,
+                average: 0.0,
+                last_cut: None,
+            }),
+        };
+        admission.export(config.max as f64);
+        Arc::new(admission)
+    }
+
+    /// A permit, or `None` when as many requests as the limit are running.
+    pub fn try_admit(self: &Arc<Self>) -> Option<Permit> {
+        let mut state = self.lock();
+        if state.in_flight as f64 >= state.limit.floor() {
+            drop(state);
+            metrics::counter!(crate::metrics::ADMISSION_REFUSED, "kind" => self.kind).increment(1);
+            return None;
+        }
+        state.in_flight += 1;
+        let busy = state.in_flight as f64 * 2.0 >= state.limit;
+        Some(Permit {
+            admission: self.clone(),
+            started: Instant::now(),
+            busy,
+        })
+    }
+
+    /// The current limit.
+    pub fn limit(&self) -> usize {
+        self.lock().limit.floor() as usize
+    }
+
+    fn release(&self, took: Duration, busy: bool, now: Instant) {
+        let mut state = self.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        let before = state.limit;
+        state.average += (took.as_secs_f64() - state.average) * WEIGHT;
+        if state.average > self.config.target.as_secs_f64() {
+            let cut_long_ago = state
+                .last_cut
+                .is_none_or(|at| now.duration_since(at) >= self.config.target);
+            if cut_long_ago {
+                state.limit = (state.limit * 0.9).max(self.config.min as f64);
+                state.last_cut = Some(now);
+            }
+        } else if busy {
+            state.limit = (state.limit + 1.0 / state.limit).min(self.config.max as f64);
+        }
+        let after = state.limit;
+        drop(state);
+        if after.floor() != before.floor() {
+            self.export(after);
+        }
+    }
+
+    fn export(&self, limit: f64) {
+        metrics::gauge!(crate::metrics::ADMISSION_LIMIT, "kind" => self.kind).set(limit.floor());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // The state is a few numbers, valid after any panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.admission
+            .release(self.started.elapsed(), self.busy, Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(min: usize, max: usize) -> Arc<Admission> {
+        Admission::new(
+            "test",
+            AdmissionConfig {
+                target: Duration::from_millis(20),
+                min,
+                max,
+            },
+        )
+    }
+
+    /// Admits until the limit, then refuses; a released permit makes room.
+    #[test]
+    fn refuses_above_the_limit_and_admits_again_after_a_release() {
+        let a = admission(3, 3);
+        let permits: Vec<Permit> = (0..3).filter_map(|_| a.try_admit()).collect();
+        assert_eq!(permits.len(), 3);
+        assert!(a.try_admit().is_none());
+        drop(permits);
+        assert!(a.try_admit().is_some());
+    }
+
+    #[test]
+    fn fast_answers_under_load_raise_the_limit_and_slow_ones_cut_it() {
+        let a = admission(4, 100);
+        let t0 = Instant::now();
+        assert_eq!(a.limit(), 100, "it starts at its ceiling");
+        a.lock().limit = 4.0;
+        let fast = Duration::from_millis(5);
+        for _ in 0..200 {
+            a.lock().in_flight += 1;
+            a.release(fast, true, t0);
+        }
+        let grown = a.limit();
+        assert!(
+            grown > 10,
+            "200 fast answers under load grow the limit: {grown}"
+        );
+
+        // Fast answers while idle say nothing about capacity.
+        for _ in 0..200 {
+            a.lock().in_flight += 1;
+            a.release(fast, false, t0);
+        }
+        assert_eq!(a.limit(), grown);
+
+        // One slow answer moves the average, but not past the target.
+        a.lock().in_flight += 1;
+        a.release(Duration::from_millis(100), true, t0);
+        assert!(a.limit() >= grown, "one slow answer does not cut");
+
+        // A burst of slow answers within one target interval cuts once.
+        let slow = Duration::from_millis(50);
+        for _ in 0..50 {
+            a.lock().in_flight += 1;
+            a.release(slow, true, t0);
+        }
+        let cut = a.limit();
+        assert!(cut < grown && cut >= grown * 8 / 10, "{grown} -> {cut}");
+
+        // Slow answers over a long time cut to the floor, never below.
+        for i in 0..200u64 {
+            a.lock().in_flight += 1;
+            a.release(slow, true, t0 + Duration::from_millis(20 * (i + 1)));
+        }
+        assert_eq!(a.limit(), 4);
+    }
+
+    #[test]
+    fn the_limit_never_passes_its_ceiling() {
+        let a = admission(2, 8);
+        a.lock().limit = 2.0;
+        let t0 = Instant::now();
+        for _ in 0..10_000 {
+            a.lock().in_flight += 1;
+            a.release(Duration::ZERO, true, t0);
+        }
+        assert_eq!(a.limit(), 8);
+    }
+}
