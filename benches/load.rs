@@ -24,14 +24,12 @@ mod support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use report::{ConsumerRun, RateStep, Results, StoreRun};
-use support::{Zipf, bench_env, env_num, histogram, percentiles};
-use tally::domain::{Reaction, TargetId, UserId};
-use tally::store::Cas;
-use tally::store::Store;
+use support::{Op, StoreOps, Zipf, bench_env, env_num, histogram, percentiles, store_run};
+use tally::domain::Reaction;
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
@@ -74,44 +72,10 @@ fn main() {
 
 // ---------------------------------------------------------------- store
 
-/// What one store run does per operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    /// A plain write of one row: no read, no condition.
-    Upsert,
-    /// One single-row `INSERT ... IF NOT EXISTS` of a fresh row: the ceiling
-    /// of any write that is one Paxos round.
-    BareLwt,
-    /// The vote's store work before it went optimistic: a read of the row
-    /// and the key, then the conditional batch (no outbox).
-    ReadThenWrite,
-    /// The vote's store work as the API does it: the outbox intent, then the
-    /// conditional batch on a guess, retried on what a refusal returns.
-    Vote,
-}
-
 async fn store_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_SECS", 15);
     let env = bench_env("load_store", 1).await;
-    let store = Arc::new(
-        Store::open(&env.cassandra, Duration::from_secs(3600))
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}")),
-    );
-    let session = Arc::new(
-        tally::store::connect_keyspace(&env.cassandra)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}")),
-    );
-    let upsert = session
-        .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, ?)")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let bare = session
-        .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, 1) IF NOT EXISTS")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-
+    let stores = StoreOps::open(&env).await;
     for (name, op, hot) in [
         ("plain upsert, uniform", Op::Upsert, false),
         (
@@ -132,94 +96,9 @@ async fn store_section(results: &mut Results) {
         ("vote, 90% on one target", Op::Vote, true),
     ] {
         eprintln!("store: {name}, 64 in flight, {secs}s");
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        let (unknown, conflicts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let mut tasks = Vec::new();
-        for w in 0..64u64 {
-            let (store, session, upsert, bare, unknown, conflicts) = (
-                store.clone(),
-                session.clone(),
-                upsert.clone(),
-                bare.clone(),
-                unknown.clone(),
-                conflicts.clone(),
-            );
-            tasks.push(tokio::spawn(async move {
-                let mut rng = Zipf::new(1, 1.0, w + 1);
-                let mut h = histogram();
-                let mut n = 0u64;
-                while Instant::now() < deadline {
-                    let user = format!("u{}", rng.below(20_000));
-                    let target = if hot && rng.uniform() < 0.9 {
-                        "viral".to_owned()
-                    } else {
-                        format!("t{}", rng.below(10_000))
-                    };
-                    let start = Instant::now();
-                    if op == Op::BareLwt {
-                        let fresh = format!("b{w}-{n}");
-                        let applied = session
-                            .execute_unpaged(&bare, (&user, &fresh, "video", "like"))
-                            .await
-                            .map(tally::store::was_applied);
-                        match applied {
-                            Ok(Ok(true)) => {}
-                            Ok(Ok(false)) => {
-                                conflicts.fetch_add(1, Ordering::Relaxed);
-                            }
-                            _ => {
-                                unknown.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    } else if op != Op::Upsert {
-                        let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
-                        {
-                            (Ok(u), Ok(t)) => (u, t),
-                            _ => panic!("bad ids {user} {target}"),
-                        };
-                        let k = w * 1_000_000 + n;
-                        let outcome = if op == Op::ReadThenWrite {
-                            support::lwt_vote(&store, &user, &target, k).await
-                        } else {
-                            support::lwt_vote_optimistic(&store, &user, &target, k, None).await
-                        };
-                        match outcome {
-                            Cas::Applied => {}
-                            Cas::NotApplied => {
-                                conflicts.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Cas::Unknown(_) => {
-                                unknown.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Cas::Failed(e) => panic!("{e:#}"),
-                        }
-                    } else {
-                        let state = if n % 2 == 0 { "like" } else { "none" };
-                        session
-                            .execute_unpaged(&upsert, (&user, &target, "video", state, n as i64))
-                            .await
-                            .unwrap_or_else(|e| panic!("{e}"));
-                    }
-                    let _ = h.record(start.elapsed().as_micros() as u64);
-                    n += 1;
-                }
-                h
-            }));
-        }
-        let started = Instant::now();
-        let mut all = histogram();
-        for t in tasks {
-            let h = t.await.unwrap_or_else(|e| panic!("{e}"));
-            all.add(&h).unwrap_or_else(|e| panic!("{e}"));
-        }
-        let elapsed = started.elapsed().as_secs_f64().max(secs as f64);
-        results.store.push(StoreRun {
-            name: name.into(),
-            ops_per_sec: all.len() as f64 / elapsed,
-            latency_ms: percentiles(&all),
-            cas_unknown: unknown.load(Ordering::Relaxed),
-            conflicts: conflicts.load(Ordering::Relaxed),
-        });
+        results
+            .store
+            .push(store_run(&stores, name, op, hot, Duration::from_secs(secs)).await);
     }
     env.drop_all().await;
 }
@@ -467,6 +346,7 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         min_in_flight: 4,
         slow_request: Duration::from_millis(500),
         admission_target: Duration::from_secs(60),
+        admission_queue_wait: Duration::from_millis(50),
         consumer_group: format!("bench-e2e-{}", std::process::id()),
         relay: tally::relay::RelayConfig {
             settle: Duration::from_secs(20),

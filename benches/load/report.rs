@@ -6,15 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::support::Percentiles;
-
-#[derive(Debug, Clone, Serialize)]
-pub struct StoreRun {
-    pub name: String,
-    pub ops_per_sec: f64,
-    pub latency_ms: Percentiles,
-    pub cas_unknown: u64,
-    pub conflicts: u64,
-}
+pub use super::support::StoreRun;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ConsumerRun {

@@ -297,3 +297,158 @@ pub fn histogram() -> hdrhistogram::Histogram<u64> {
     // 1 µs to 60 s, 3 significant digits.
     hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 3).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// What one store run does per operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A plain write of one row: no read, no condition.
+    Upsert,
+    /// One single-row `INSERT ... IF NOT EXISTS` of a fresh row: the ceiling
+    /// of any write that is one Paxos round.
+    BareLwt,
+    /// The vote's store work before it went optimistic: a read of the row
+    /// and the key, then the conditional batch (no outbox).
+    ReadThenWrite,
+    /// The vote's store work as the API does it: the outbox intent, then the
+    /// conditional batch on a guess, retried on what a refusal returns.
+    Vote,
+}
+
+/// One store run's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoreRun {
+    pub name: String,
+    pub ops_per_sec: f64,
+    pub latency_ms: Percentiles,
+    pub cas_unknown: u64,
+    pub conflicts: u64,
+}
+
+/// The store and the plain statements the store runs measure against.
+#[derive(Clone)]
+pub struct StoreOps {
+    store: std::sync::Arc<tally::store::Store>,
+    session: std::sync::Arc<scylla::client::session::Session>,
+    upsert: scylla::statement::prepared::PreparedStatement,
+    bare: scylla::statement::prepared::PreparedStatement,
+}
+
+impl StoreOps {
+    pub async fn open(env: &BenchEnv) -> StoreOps {
+        let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(3600))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let session = store::connect_keyspace(&env.cassandra)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let upsert = session
+            .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, ?)")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let bare = session
+            .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, 1) IF NOT EXISTS")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        StoreOps {
+            store: std::sync::Arc::new(store),
+            session: std::sync::Arc::new(session),
+            upsert,
+            bare,
+        }
+    }
+}
+
+/// `op` with 64 in flight for `secs`: 20,000 users over 10,000 targets, or
+/// 90% on one target when `hot`.
+pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Duration) -> StoreRun {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tally::domain::{TargetId, UserId};
+    use tally::store::Cas;
+    let deadline = std::time::Instant::now() + secs;
+    let (unknown, conflicts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let (ops, unknown, conflicts) = (ops.clone(), unknown.clone(), conflicts.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Zipf::new(1, 1.0, w + 1);
+            let mut h = histogram();
+            let mut n = 0u64;
+            while std::time::Instant::now() < deadline {
+                let user = format!("u{}", rng.below(20_000));
+                let target = if hot && rng.uniform() < 0.9 {
+                    "viral".to_owned()
+                } else {
+                    format!("t{}", rng.below(10_000))
+                };
+                let start = std::time::Instant::now();
+                let outcome = match op {
+                    Op::Upsert => {
+                        let state = if n % 2 == 0 { "like" } else { "none" };
+                        ops.session
+                            .execute_unpaged(
+                                &ops.upsert,
+                                (&user, &target, "video", state, n as i64),
+                            )
+                            .await
+                            .unwrap_or_else(|e| panic!("{e}"));
+                        Cas::Applied
+                    }
+                    Op::BareLwt => {
+                        let fresh = format!("b{w}-{n}");
+                        match ops
+                            .session
+                            .execute_unpaged(&ops.bare, (&user, &fresh, "video", "like"))
+                            .await
+                            .map(tally::store::was_applied)
+                        {
+                            Ok(Ok(true)) => Cas::Applied,
+                            Ok(Ok(false)) => Cas::NotApplied,
+                            _ => Cas::Unknown(anyhow::anyhow!("bare LWT")),
+                        }
+                    }
+                    Op::ReadThenWrite | Op::Vote => {
+                        let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
+                        {
+                            (Ok(u), Ok(t)) => (u, t),
+                            _ => panic!("bad ids {user} {target}"),
+                        };
+                        let k = w * 1_000_000 + n;
+                        if op == Op::ReadThenWrite {
+                            lwt_vote(&ops.store, &user, &target, k).await
+                        } else {
+                            lwt_vote_optimistic(&ops.store, &user, &target, k, None).await
+                        }
+                    }
+                };
+                match outcome {
+                    Cas::Applied => {}
+                    Cas::NotApplied => {
+                        conflicts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Cas::Unknown(_) => {
+                        unknown.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Cas::Failed(e) => panic!("{e:#}"),
+                }
+                let _ = h.record(start.elapsed().as_micros() as u64);
+                n += 1;
+            }
+            h
+        }));
+    }
+    let started = std::time::Instant::now();
+    let mut all = histogram();
+    for t in tasks {
+        let h = t.await.unwrap_or_else(|e| panic!("{e}"));
+        all.add(&h).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let elapsed = started.elapsed().as_secs_f64().max(secs.as_secs_f64());
+    StoreRun {
+        name: name.into(),
+        ops_per_sec: all.len() as f64 / elapsed,
+        latency_ms: percentiles(&all),
+        cas_unknown: unknown.load(Ordering::Relaxed),
+        conflicts: conflicts.load(Ordering::Relaxed),
+    }
+}

@@ -8,9 +8,14 @@
 //! within the target, each request that finishes while the limit was in use
 //! raises the limit by 1/limit (one per limit's worth of requests); while it
 //! is above, the limit is cut by a tenth, at most once per target interval.
-//! It starts at its ceiling, so it only ever matters under load. Requests
-//! above the limit are refused at once, before the token is verified or the
-//! body read, with 503 and Retry-After.
+//! It starts at its ceiling, so it only ever matters under load.
+//!
+//! A request above the limit waits in a short queue (as many places as the
+//! limit) for at most `queue_wait`: a burst, or a closed loop of clients a
+//! little above the limit, is served rather than refused. A request that
+//! finds the queue full, or waits out its time, is refused with 503 and
+//! Retry-After, before its token is verified or its body read. Waiting costs
+//! nothing but a timer; a refusal costs about what `/healthz` does.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,17 +28,23 @@ pub struct AdmissionConfig {
     pub min: usize,
     /// Nor rises above this.
     pub max: usize,
+    /// The longest a request waits for a place before it is refused.
+    pub queue_wait: Duration,
 }
 
 pub struct Admission {
     kind: &'static str,
     config: AdmissionConfig,
     state: Mutex<State>,
+    /// Told each time a place is given back.
+    freed: tokio::sync::Notify,
 }
 
 struct State {
     limit: f64,
     in_flight: usize,
+    /// Requests waiting for a place.
+    waiting: usize,
     /// Moving average of how long requests took, in seconds.
     average: f64,
     last_cut: Option<Instant>,
@@ -63,9 +74,11 @@ impl Admission {
         let admission = Admission {
             kind,
             config,
+            freed: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 limit: config.max as f64,
                 in_flight: 0,
+                waiting: 0,
                 average: 0.0,
                 last_cut: None,
             }),
@@ -74,12 +87,46 @@ impl Admission {
         Arc::new(admission)
     }
 
-    /// A permit, or `None` when as many requests as the limit are running.
-    pub fn try_admit(self: &Arc<Self>) -> Option<Permit> {
+    /// A permit, at once or after a wait in the queue; `None` when the
+    /// queue is full or the wait ran out.
+    pub async fn admit(self: &Arc<Self>) -> Option<Permit> {
+        if let Some(permit) = self.try_admit() {
+            return Some(permit);
+        }
+        let queued = {
+            let mut state = self.lock();
+            if state.waiting as f64 >= state.limit.floor() {
+                None
+            } else {
+                state.waiting += 1;
+                Some(Queued(self))
+            }
+        };
+        let permit = match queued {
+            None => None,
+            Some(_place) => {
+                let deadline = tokio::time::Instant::now() + self.config.queue_wait;
+                loop {
+                    let freed = self.freed.notified();
+                    if let Some(permit) = self.try_admit() {
+                        break Some(permit);
+                    }
+                    if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                        break self.try_admit();
+                    }
+                }
+            }
+        };
+        if permit.is_none() {
+            metrics::counter!(crate::metrics::ADMISSION_REFUSED, "kind" => self.kind).increment(1);
+        }
+        permit
+    }
+
+    /// A permit if fewer requests than the limit are running.
+    fn try_admit(self: &Arc<Self>) -> Option<Permit> {
         let mut state = self.lock();
         if state.in_flight as f64 >= state.limit.floor() {
-            drop(state);
-            metrics::counter!(crate::metrics::ADMISSION_REFUSED, "kind" => self.kind).increment(1);
             return None;
         }
         state.in_flight += 1;
@@ -114,6 +161,7 @@ impl Admission {
         }
         let after = state.limit;
         drop(state);
+        self.freed.notify_one();
         if after.floor() != before.floor() {
             self.export(after);
         }
@@ -126,6 +174,17 @@ impl Admission {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // The state is a few numbers, valid after any panic.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A place in the queue, given back however the wait ends (a permit, a
+/// timeout, or a client that hung up and dropped the request).
+struct Queued<'a>(&'a Admission);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.waiting = state.waiting.saturating_sub(1);
     }
 }
 
@@ -147,19 +206,41 @@ mod tests {
                 target: Duration::from_millis(20),
                 min,
                 max,
+                queue_wait: Duration::from_millis(50),
             },
         )
     }
 
-    /// Admits until the limit, then refuses; a released permit makes room.
-    #[test]
-    fn refuses_above_the_limit_and_admits_again_after_a_release() {
-        let a = admission(3, 3);
-        let permits: Vec<Permit> = (0..3).filter_map(|_| a.try_admit()).collect();
-        assert_eq!(permits.len(), 3);
-        assert!(a.try_admit().is_none());
-        drop(permits);
-        assert!(a.try_admit().is_some());
+    /// Admits until the limit, then queues as many as the limit, then
+    /// refuses; a released permit goes to a waiter; a wait that runs out is
+    /// refused.
+    #[tokio::test]
+    async fn admits_to_the_limit_queues_as_many_and_refuses_the_rest() {
+        let a = admission(2, 2);
+        let mut running: Vec<Permit> = Vec::new();
+        for _ in 0..2 {
+            running.extend(a.admit().await);
+        }
+        assert_eq!(running.len(), 2);
+        let (first, second) = (tokio::spawn(wait(a.clone())), tokio::spawn(wait(a.clone())));
+        tokio::task::yield_now().await;
+        assert_eq!(a.lock().waiting, 2);
+        assert!(a.admit().await.is_none(), "the queue is full: refused at once");
+
+        drop(running.pop());
+        let admitted = [first, second].map(|t| async move { t.await.ok().flatten() });
+        let [first, second] = admitted;
+        let (first, second) = tokio::join!(first, second);
+        assert_eq!(
+            usize::from(first.is_some()) + usize::from(second.is_some()),
+            1,
+            "one place freed, one waiter admitted; the other waited out its time"
+        );
+        assert_eq!(a.lock().waiting, 0);
+    }
+
+    async fn wait(a: Arc<Admission>) -> Option<Permit> {
+        a.admit().await
     }
 
     #[test]

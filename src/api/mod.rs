@@ -82,6 +82,11 @@ pub struct ApiConfig {
     #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "25ms", value_parser = humantime::parse_duration)]
     pub admission_target: Duration,
 
+    /// How long a request above the limit may wait for a place before it is
+    /// refused (at most as many wait as the limit; the rest are refused at once).
+    #[arg(long = "admission-queue-wait", env = "TALLY_ADMISSION_QUEUE_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub admission_queue_wait: Duration,
+
     /// Requests slower than this are logged at WARN, whatever the filter.
     #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub slow_request: Duration,
@@ -171,6 +176,7 @@ impl Application {
             target: config.admission_target,
             min: config.min_in_flight,
             max: config.max_in_flight,
+            queue_wait: config.admission_queue_wait,
         };
         let state = web::Data::new(AppState {
             caster,
@@ -288,7 +294,7 @@ async fn admit(
         _ => None,
     };
     if let Some(admission) = admission {
-        let Some(permit) = admission.try_admit() else {
+        let Some(permit) = admission.admit().await else {
             let refused = actix_web::ResponseError::error_response(&ApiError::Overloaded);
             return Ok(req.into_response(refused).map_into_right_body());
         };

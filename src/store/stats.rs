@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
-use futures::{StreamExt, TryStreamExt};
 use scylla::client::session::Session;
 use scylla::serialize::SerializationError;
 use scylla::serialize::row::{RowSerializationContext, SerializeRow};
@@ -20,9 +19,6 @@ use scylla::value::{CqlValue, MaybeUnset};
 use super::{Cas, StoreError, classify, token_of};
 use crate::domain::reaction::N_COUNTED;
 use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, TargetType, Totals, UserId};
-
-/// Buckets of one target read at once when all of them are needed.
-const HEAD_READS_IN_FLIGHT: usize = 16;
 
 /// Which read a fenced writer needs: a plain LOCAL_QUORUM read, or one at
 /// LOCAL_SERIAL, which first completes any Paxos round still in flight on the
@@ -40,6 +36,24 @@ pub struct Head {
     pub seq: Option<i64>,
     pub totals: Totals,
     pub target_type: Option<TargetType>,
+}
+
+/// A head from its columns: the totals, seq, target_type.
+fn head_of(columns: &[Option<CqlValue>]) -> Head {
+    let bigint = |i: usize| match columns.get(i) {
+        Some(Some(CqlValue::BigInt(n))) => Some(*n),
+        _ => None,
+    };
+    let totals = std::array::from_fn(|i| bigint(i).unwrap_or(0));
+    let kind = match columns.get(N_COUNTED + 1) {
+        Some(Some(CqlValue::Text(t))) => TargetType::parse(t),
+        _ => None,
+    };
+    Head {
+        seq: bigint(N_COUNTED),
+        totals: Totals::from_values(totals),
+        target_type: kind,
+    }
 }
 
 /// The heads of all of a target's buckets, in bucket order.
@@ -80,6 +94,7 @@ pub struct Stats {
     session: Arc<Session>,
     head: PreparedStatement,
     head_serial: PreparedStatement,
+    all_heads: PreparedStatement,
     applied_of: PreparedStatement,
     applied_page: PreparedStatement,
     write_head: PreparedStatement,
@@ -112,6 +127,20 @@ impl Stats {
             .await
             .context("prepare serial head")?;
         head_serial.set_consistency(levels.serial_read);
+        // Every bucket's head in one request: a bounded IN over the target's
+        // own partitions (the layout's count, at most 1,024), so a miss costs
+        // one request to Cassandra rather than one per bucket.
+        let all_heads = session
+            .prepare(
+                format!(
+                    "SELECT bucket, {}, seq, target_type FROM target_stats \
+                     WHERE target_id = ? AND bucket IN ? PER PARTITION LIMIT 1",
+                    totals.join(", ")
+                )
+                .as_str(),
+            )
+            .await
+            .context("prepare all heads")?;
         let applied_of = session
             .prepare(
                 "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
@@ -157,6 +186,7 @@ impl Stats {
             session,
             head,
             head_serial,
+            all_heads,
             applied_of,
             applied_page,
             write_head,
@@ -184,14 +214,19 @@ impl Stats {
     /// The head of every bucket of a target, read in parallel (never the
     /// voters: one static row per bucket).
     pub async fn heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
-        let reads = self
-            .layout
-            .buckets()
-            .map(|b| self.head(target, b, ReadAt::Quorum));
-        let heads: Vec<Head> = futures::stream::iter(reads)
-            .buffered(HEAD_READS_IN_FLIGHT)
-            .try_collect()
-            .await?;
+        let buckets: Vec<i32> = self.layout.buckets().map(Bucket::column).collect();
+        let rows: Vec<scylla::value::Row> =
+            super::all_rows(&self.session, &self.all_heads, (target.as_str(), &buckets)).await?;
+        // A bucket nobody has voted in has no row: an empty head.
+        let mut heads = vec![Head::default(); buckets.len()];
+        for row in rows {
+            let Some(Some(CqlValue::Int(bucket))) = row.columns.first() else {
+                continue;
+            };
+            if let Some(slot) = usize::try_from(*bucket).ok().and_then(|b| heads.get_mut(b)) {
+                *slot = head_of(&row.columns[1..]);
+            }
+        }
         Ok(Heads(heads))
     }
 
@@ -209,20 +244,7 @@ impl Stats {
         let row: Option<scylla::value::Row> =
             super::first_row(&self.session, stmt, (target.as_str(), bucket.column())).await?;
         let columns = row.map(|r| r.columns).unwrap_or_default();
-        let bigint = |i: usize| match columns.get(i) {
-            Some(Some(CqlValue::BigInt(n))) => Some(*n),
-            _ => None,
-        };
-        let totals = std::array::from_fn(|i| bigint(i).unwrap_or(0));
-        let kind = match columns.get(N_COUNTED + 1) {
-            Some(Some(CqlValue::Text(t))) => TargetType::parse(t),
-            _ => None,
-        };
-        Ok(Head {
-            seq: bigint(N_COUNTED),
-            totals: Totals::from_values(totals),
-            target_type: kind,
-        })
+        Ok(head_of(&columns))
     }
 
     /// The applied rows of `users`, all of them in `bucket`. Read after

@@ -30,6 +30,7 @@ impl TestEnv {
             // requests must not be refused for it. The admission test sets
             // its own limit.
             admission_target: Duration::from_secs(60),
+            admission_queue_wait: Duration::from_millis(50),
             consumer_group: self.group.clone(),
             // Tests that need the relay turn it on (`with_relay`).
             relay: tally::relay::RelayConfig {

@@ -1,0 +1,760 @@
+//! The HTTP API measured from outside, with a standard load generator.
+//!
+//! `tally vote` and `tally consumer` run as their own processes (the release
+//! binary), and vegeta drives the API, also in its own process: closed loop
+//! (a fixed number of requests in flight) for capacity, open loop (a fixed
+//! arrival rate, whatever the server does) for the latency curve and for
+//! overload. Beside every throughput: the server's own CPU per request, from
+//! /proc. In the same run, the ceilings: `/healthz`, a bare single-row LWT
+//! and the vote's store operation, with 64 in flight.
+//!
+//!   scripts/stack.sh up && cargo bench --bench http
+//!
+//! Knobs: TALLY_HTTP_SECS (seconds per step, default 10), TALLY_HTTP_PIN=1
+//! (vegeta on CPU 1 only, `taskset`). Results: stdout (Markdown),
+//! target/tally-bench/http.json and http-latency.svg.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use support::{Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, env_num, store_run};
+
+const SECRET: &str = "bench-secret-0123";
+const VOTERS: u64 = 5_000;
+const VOTE_TARGETS: u64 = 10_000;
+const READERS: u64 = 2_000;
+const PAGES: u64 = 200;
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if !support::stack_up() {
+        support::skip_message("http bench");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let results = rt.block_on(run());
+    report(&results);
+}
+
+/// One step of vegeta against the API.
+#[derive(Debug, Clone, Serialize)]
+struct Step {
+    /// Offered requests per second; `None` for a closed loop.
+    offered: Option<f64>,
+    /// Requests in flight, for a closed loop.
+    workers: Option<u64>,
+    seconds: f64,
+    sent: u64,
+    /// 2xx answers per second.
+    goodput: f64,
+    /// Latency of the 2xx answers.
+    ok_ms: Percentiles,
+    /// 503 answers (admission refusals and the like).
+    refused: u64,
+    /// Latency of the 503 answers (how fast a refusal is).
+    refused_ms: Percentiles,
+    /// Anything else: other statuses, timeouts, connection errors.
+    errors: u64,
+    /// `tally vote`'s CPU time per request sent, in microseconds.
+    server_cpu_us: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Results {
+    date: String,
+    commit: String,
+    pinned: bool,
+    healthz: Option<Step>,
+    store: Vec<StoreRun>,
+    votes_closed: Option<Step>,
+    /// Seconds after the closed-loop votes until the consumer group's lag was 0.
+    consumer_drain_secs: Option<f64>,
+    pages_closed: Option<Step>,
+    votes_curve: Vec<Step>,
+    pages_curve: Vec<Step>,
+    /// Open loop at 1x, 3x, 10x the closed-loop vote capacity, adaptive admission.
+    overload_after: Vec<Step>,
+    /// The same with admission fixed at the ceiling (the behaviour before).
+    overload_before: Vec<Step>,
+}
+
+async fn run() -> Results {
+    let secs = env_num("TALLY_HTTP_SECS", 10);
+    let pinned = std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1");
+    let vegeta = Vegeta::install(pinned);
+    let env = bench_env("http", 6).await;
+    let group = format!("bench-http-{}", std::process::id());
+    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("tally-bench");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let mut results = Results {
+        date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        commit: git_commit(),
+        pinned,
+        ..Results::default()
+    };
+
+    let auth = tally::auth::AuthConfig::hs256(SECRET);
+    let tokens: Vec<String> = (0..VOTERS)
+        .map(|i| tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![]))
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut consumer = spawn_consumer(&env, &group);
+    let mut api = Api::spawn(&env, &group, None).await;
+
+    eprintln!("http: /healthz, closed loop, 64 in flight, {secs}s");
+    results.healthz =
+        Some(vegeta.attack(&api, &mut Targets::Healthz, Load::Closed(64), secs, &dir));
+
+    // The store ceilings, in this run, while the API idles.
+    let ops = StoreOps::open(&env).await;
+    for (name, op) in [
+        ("plain upsert", Op::Upsert),
+        ("bare single-row LWT (INSERT IF NOT EXISTS)", Op::BareLwt),
+        (
+            "the vote's store operation (intent + optimistic batch)",
+            Op::Vote,
+        ),
+    ] {
+        eprintln!("http: store, {name}, 64 in flight, {secs}s");
+        results
+            .store
+            .push(store_run(&ops, name, op, false, Duration::from_secs(secs)).await);
+    }
+
+    let mut rng = Zipf::new(1, 1.0, 42);
+    eprintln!("http: votes, closed loop, 64 in flight, {}s", secs * 2);
+    let votes = vegeta.attack(
+        &api,
+        &mut Targets::Votes(&tokens, &mut rng),
+        Load::Closed(64),
+        secs * 2,
+        &dir,
+    );
+    let vote_capacity = votes.goodput.max(1.0);
+    results.votes_closed = Some(votes);
+    results.consumer_drain_secs = drained(&env.kafka, &group, Duration::from_secs(120)).await;
+
+    eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
+    let pages = vegeta.attack(
+        &api,
+        &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
+        Load::Closed(32),
+        secs,
+        &dir,
+    );
+    let page_capacity = pages.goodput.max(1.0);
+    results.pages_closed = Some(pages);
+
+    for share in [0.25, 0.5, 0.75, 1.0] {
+        let rate = vote_capacity * share;
+        eprintln!("http: votes, open loop at {rate:.0}/s, {secs}s");
+        let step = vegeta.attack(
+            &api,
+            &mut Targets::Votes(&tokens, &mut rng),
+            Load::Open(rate),
+            secs,
+            &dir,
+        );
+        results.votes_curve.push(step);
+    }
+    for share in [0.25, 0.5, 0.75, 1.0, 1.5] {
+        let rate = page_capacity * share;
+        eprintln!("http: pages, open loop at {rate:.0}/s, {secs}s");
+        let step = vegeta.attack(
+            &api,
+            &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
+            Load::Open(rate),
+            secs,
+            &dir,
+        );
+        results.pages_curve.push(step);
+    }
+    for times in [1.0, 3.0, 10.0] {
+        let rate = vote_capacity * times;
+        eprintln!("http: votes, overload {times}x at {rate:.0}/s, adaptive admission, {secs}s");
+        let step = vegeta.attack(
+            &api,
+            &mut Targets::Votes(&tokens, &mut rng),
+            Load::Open(rate),
+            secs,
+            &dir,
+        );
+        results.overload_after.push(step);
+    }
+
+    // Before: admission never adapts, so it admits up to the fixed ceiling.
+    api.stop();
+    api = Api::spawn(&env, &group, Some(Duration::from_secs(3600))).await;
+    for times in [1.0, 3.0, 10.0] {
+        let rate = vote_capacity * times;
+        eprintln!("http: votes, overload {times}x at {rate:.0}/s, fixed ceiling, {secs}s");
+        let step = vegeta.attack(
+            &api,
+            &mut Targets::Votes(&tokens, &mut rng),
+            Load::Open(rate),
+            secs,
+            &dir,
+        );
+        results.overload_before.push(step);
+    }
+    api.stop();
+    let _ = consumer.kill();
+    let _ = consumer.wait();
+    env.drop_all().await;
+    results
+}
+
+/// `tally vote` in a process of its own.
+struct Api {
+    child: Child,
+    base: String,
+}
+
+impl Api {
+    /// The API with production settings, except the per-user rate (the
+    /// generator's users vote faster than people) and, for the "before"
+    /// runs, an admission target no answer reaches.
+    async fn spawn(
+        env: &support::BenchEnv,
+        group: &str,
+        admission_target: Option<Duration>,
+    ) -> Api {
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        cmd.arg("vote")
+            .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TALLY_USER_RATE", "10000")
+            .env("TALLY_USER_BURST", "10000")
+            .env("TALLY_CONSUMER_GROUP", group)
+            .env("TALLY_LOG_FORMAT", "json")
+            .env("RUST_LOG", "warn");
+        if let Some(target) = admission_target {
+            cmd.env(
+                "TALLY_ADMISSION_TARGET",
+                humantime::format_duration(target).to_string(),
+            );
+        }
+        stores_env(&mut cmd, env);
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("tally vote: {e}"));
+        let base = format!("http://127.0.0.1:{port}");
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready = client.get(format!("{base}/readyz")).send().await;
+            if matches!(&ready, Ok(r) if r.status().is_success()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "tally vote did not become ready");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Api { child, base }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_consumer(env: &support::BenchEnv, group: &str) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+    cmd.arg("consumer")
+        .env("TALLY_CONSUMER_GROUP", group)
+        .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
+        .env("TALLY_LOG_FORMAT", "json")
+        .env("RUST_LOG", "warn");
+    stores_env(&mut cmd, env);
+    cmd.stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("tally consumer: {e}"))
+}
+
+fn stores_env(cmd: &mut Command, env: &support::BenchEnv) {
+    cmd.env("TALLY_KEYSPACE", &env.cassandra.keyspace)
+        .env("TALLY_CASSANDRA_NODES", env.cassandra.nodes.join(","))
+        .env("TALLY_KAFKA_BROKERS", &env.kafka.brokers)
+        .env("TALLY_TOPIC", &env.kafka.topic)
+        .env("TALLY_DEAD_LETTER_TOPIC", &env.kafka.dead_letter_topic)
+        .env("TALLY_REDIS_PREFIX", &env.redis.prefix)
+        .env("TALLY_JWT_SECRET", SECRET);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Polls the consumer group's lag until it is 0, and says how long that took.
+async fn drained(kafka: &tally::bus::KafkaConfig, group: &str, limit: Duration) -> Option<f64> {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        let lag = tally::bus::lag::group_lag(kafka, group).ok()?;
+        if lag.iter().all(|p| p.messages == 0) {
+            return Some(started.elapsed().as_secs_f64());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+/// What vegeta sends.
+enum Targets<'a> {
+    Healthz,
+    /// A vote by a random one of the tokens' users on a random one of 10,000
+    /// videos, a random action, a new Idempotency-Key each.
+    Votes(&'a [String], &'a mut Zipf),
+    /// A video page: one of 200 videos and its own 20 comments (21 ids), read
+    /// by a random one of the tokens' users.
+    Pages(&'a [String], &'a mut Zipf),
+}
+
+enum Load {
+    /// This many requests in flight, each sent when the last one answered.
+    Closed(u64),
+    /// This many requests a second, whatever the server does.
+    Open(f64),
+}
+
+struct Vegeta {
+    bin: PathBuf,
+    pinned: bool,
+}
+
+impl Vegeta {
+    fn install(pinned: bool) -> Vegeta {
+        let out = Command::new("scripts/bench-tools.sh")
+            .arg("vegeta")
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("scripts/bench-tools.sh: {e}"));
+        assert!(out.status.success(), "scripts/bench-tools.sh vegeta failed");
+        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Vegeta { bin, pinned }
+    }
+
+    fn command(&self) -> Command {
+        if self.pinned {
+            let mut c = Command::new("taskset");
+            c.args(["-c", "1"]).arg(&self.bin);
+            c
+        } else {
+            Command::new(&self.bin)
+        }
+    }
+
+    /// Runs one step and reads vegeta's results back.
+    fn attack(&self, api: &Api, targets: &mut Targets, load: Load, secs: u64, dir: &Path) -> Step {
+        let file = dir.join("http-targets.jsonl");
+        let results = dir.join("http-results.bin");
+        // Enough targets for the step: open loop sends rate x secs; a closed
+        // loop of votes or pages is bounded by what the server answers, far
+        // below these. /healthz is one target, sent again and again.
+        let (count, lazy) = match (&targets, &load) {
+            (Targets::Healthz, _) => (1, false),
+            (_, Load::Open(rate)) => ((rate * secs as f64 * 1.05) as u64 + 100, true),
+            (Targets::Votes(..), Load::Closed(_)) => (10_000 * secs, true),
+            (Targets::Pages(..), Load::Closed(_)) => (20_000 * secs, true),
+        };
+        write_targets(&file, &api.base, targets, count);
+        let mut cmd = self.command();
+        cmd.arg("attack")
+            .args(["-format", "json", "-timeout", "10s"])
+            .arg(format!("-duration={secs}s"))
+            .arg(format!("-targets={}", file.display()))
+            .arg(format!("-output={}", results.display()));
+        if lazy {
+            cmd.arg("-lazy");
+        }
+        match load {
+            Load::Closed(n) => {
+                cmd.args(["-rate", "0"])
+                    .arg(format!("-workers={n}"))
+                    .arg(format!("-max-workers={n}"));
+            }
+            Load::Open(rate) => {
+                cmd.arg(format!("-rate={}/1s", rate.round().max(1.0) as u64))
+                    .arg("-max-workers=20000");
+            }
+        }
+        let cpu_before = cpu_micros(api.pid());
+        let started = Instant::now();
+        let status = cmd
+            .stdout(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("vegeta attack: {e}"));
+        let seconds = started.elapsed().as_secs_f64().min(secs as f64 + 10.0);
+        let cpu = cpu_micros(api.pid()).saturating_sub(cpu_before);
+        assert!(status.success(), "vegeta attack failed");
+        let step = self.read(&results, load, secs as f64, seconds, cpu);
+        if lazy && step.sent >= count {
+            eprintln!("http: the step ran out of targets; its rate is a floor");
+        }
+        let _ = std::fs::remove_file(&file);
+        let _ = std::fs::remove_file(&results);
+        step
+    }
+
+    /// Sorts vegeta's results by outcome, from its CSV encoding:
+    /// timestamp, status code, latency in ns, then fields not used here.
+    fn read(&self, results: &Path, load: Load, secs: f64, _wall: f64, cpu_us: u64) -> Step {
+        let out = Command::new(&self.bin)
+            .args(["encode", "-to", "csv"])
+            .stdin(std::fs::File::open(results).unwrap_or_else(|e| panic!("{e}")))
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("vegeta encode: {e}"));
+        let (mut ok, mut refused) = (support::histogram(), support::histogram());
+        let (mut sent, mut errors) = (0u64, 0u64);
+        for line in out.stdout.lines() {
+            let Ok(line) = line else { continue };
+            let mut fields = line.splitn(4, ',');
+            let (_, Some(code), Some(latency)) = (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            sent += 1;
+            let micros = latency.parse::<u64>().unwrap_or(0) / 1000;
+            match code.parse::<u16>().unwrap_or(0) {
+                200..=299 => {
+                    let _ = ok.record(micros.max(1));
+                }
+                503 => {
+                    let _ = refused.record(micros.max(1));
+                }
+                _ => errors += 1,
+            }
+        }
+        let (offered, workers) = match load {
+            Load::Open(rate) => (Some(rate), None),
+            Load::Closed(n) => (None, Some(n)),
+        };
+        Step {
+            offered,
+            workers,
+            seconds: secs,
+            sent,
+            goodput: ok.len() as f64 / secs,
+            ok_ms: support::percentiles(&ok),
+            refused: refused.len(),
+            refused_ms: support::percentiles(&refused),
+            errors,
+            server_cpu_us: cpu_us as f64 / sent.max(1) as f64,
+        }
+    }
+}
+
+/// Writes `count` of vegeta's JSON targets, one a line.
+fn write_targets(file: &Path, base: &str, targets: &mut Targets, count: u64) {
+    let mut out = BufWriter::new(std::fs::File::create(file).unwrap_or_else(|e| panic!("{e}")));
+    static STEP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    // Keys unique to this process and step: no step replays another's.
+    let step = STEP.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let run = format!("{}-{step}", std::process::id());
+    let mut line = String::new();
+    let mut next_key = 0u64;
+    for _ in 0..count {
+        line.clear();
+        match targets {
+            Targets::Healthz => {
+                let _ = write!(line, r#"{{"method":"GET","url":"{base}/healthz"}}"#);
+            }
+            Targets::Votes(tokens, rng) => {
+                let user = rng.below(tokens.len() as u64) as usize;
+                let target = rng.below(VOTE_TARGETS);
+                let action = ["like", "dislike", "none"][rng.below(3) as usize];
+                let body = format!(
+                    r#"{{"target_id":"t{target}","target_type":"video","action":"{action}"}}"#
+                );
+                next_key += 1;
+                let _ = write!(
+                    line,
+                    r#"{{"method":"POST","url":"{base}/v1/votes","body":"{}","header":{{"Authorization":["Bearer {}"],"Content-Type":["application/json"],"Idempotency-Key":["{run}-{next_key}"]}}}}"#,
+                    base64(body.as_bytes()),
+                    tokens[user]
+                );
+            }
+            Targets::Pages(tokens, rng) => {
+                let user = rng.below(tokens.len() as u64) as usize;
+                let video = rng.below(PAGES);
+                let mut ids = format!("t{video}");
+                for i in 0..20 {
+                    let _ = write!(ids, ",c{video}_{i}");
+                }
+                let _ = write!(
+                    line,
+                    r#"{{"method":"GET","url":"{base}/v1/votes/summary?target_ids={ids}","header":{{"Authorization":["Bearer {}"]}}}}"#,
+                    tokens[user]
+                );
+            }
+        }
+        line.push('\n');
+        out.write_all(line.as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    out.flush().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `pid`'s CPU time so far (user + system), in microseconds.
+fn cpu_micros(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // After the command name (which may hold spaces) in parentheses: state is
+    // field 3, utime 14 and stime 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
+        .sum();
+    ticks * 1_000_000 / clock_ticks()
+}
+
+fn clock_ticks() -> u64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100)
+}
+
+/// Standard base64 with padding, for vegeta's JSON bodies.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn git_commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+// ---------------------------------------------------------------- report
+
+fn report(r: &Results) {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "HTTP bench, {} at {} (vegeta pinned to CPU 1: {})\n",
+        r.date, r.commit, r.pinned
+    );
+    let _ = writeln!(
+        md,
+        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request |"
+    );
+    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: |");
+    for (name, step) in [
+        ("/healthz, 64 in flight", &r.healthz),
+        ("POST /v1/votes, 64 in flight", &r.votes_closed),
+        (
+            "GET /v1/votes/summary (21 ids), 32 in flight",
+            &r.pages_closed,
+        ),
+    ] {
+        if let Some(s) = step {
+            let _ = writeln!(
+                md,
+                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs |",
+                s.goodput, s.ok_ms.p50, s.ok_ms.p99, s.server_cpu_us
+            );
+        }
+    }
+    for s in &r.store {
+        let _ = writeln!(
+            md,
+            "| store: {}, 64 in flight | {:.0} | {:.2} | {:.2} | |",
+            s.name, s.ops_per_sec, s.latency_ms.p50, s.latency_ms.p99
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nconsumer drained {:?} s after the closed-loop votes\n",
+        r.consumer_drain_secs
+    );
+    for (name, steps) in [
+        ("votes, open loop", &r.votes_curve),
+        ("pages, open loop", &r.pages_curve),
+        ("votes overload, adaptive admission", &r.overload_after),
+        ("votes overload, fixed ceiling (before)", &r.overload_before),
+    ] {
+        let _ = writeln!(
+            md,
+            "| {name}: offered/s | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p99 ms | other errors | CPU/request |"
+        );
+        let _ = writeln!(
+            md,
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        );
+        for s in steps {
+            let _ = writeln!(
+                md,
+                "| {:.0} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {} | {:.0} µs |",
+                s.offered.unwrap_or_default(),
+                s.goodput,
+                s.ok_ms.p50,
+                s.ok_ms.p99,
+                s.refused,
+                s.refused_ms.p99,
+                s.errors,
+                s.server_cpu_us
+            );
+        }
+        md.push('\n');
+    }
+    println!("{md}");
+    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("tally-bench");
+    let _ = std::fs::write(
+        dir.join("http.json"),
+        serde_json::to_string_pretty(r).unwrap_or_default(),
+    );
+    let _ = std::fs::write(dir.join("http.md"), &md);
+    let _ = std::fs::write(dir.join("http-latency.svg"), svg(r));
+    eprintln!("results in {}", dir.display());
+}
+
+/// p50 and p99 against the offered rate, votes and pages side by side.
+fn svg(r: &Results) -> String {
+    let (panel_w, panel_h, pad) = (440.0, 300.0, 50.0);
+    let mut s = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='11'>\n\
+         <text x='10' y='18' font-size='13'>Latency against offered load, open loop (vegeta), {} at {}</text>\n",
+        2.0 * panel_w + 40.0,
+        panel_h + 70.0,
+        r.date,
+        r.commit
+    );
+    let votes: Vec<&Step> = r
+        .votes_curve
+        .iter()
+        .chain(r.overload_after.first())
+        .collect();
+    for (i, (title, steps)) in [
+        ("POST /v1/votes", votes),
+        (
+            "GET /v1/votes/summary, 21 ids",
+            r.pages_curve.iter().collect(),
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let x0 = 20.0 + i as f64 * (panel_w + 20.0);
+        let y0 = 40.0;
+        let max_x = steps.iter().filter_map(|s| s.offered).fold(1.0, f64::max);
+        let max_y = steps.iter().map(|s| s.ok_ms.p99).fold(1.0, f64::max);
+        let px = |x: f64| x0 + pad + x / max_x * (panel_w - pad - 10.0);
+        let py = |y: f64| y0 + panel_h - pad + 10.0 - y / max_y * (panel_h - pad - 10.0);
+        let _ = writeln!(
+            s,
+            "<text x='{:.0}' y='{:.0}' font-size='12'>{title}</text>\n\
+             <line x1='{:.0}' y1='{:.0}' x2='{:.0}' y2='{:.0}' stroke='black'/>\n\
+             <line x1='{:.0}' y1='{:.0}' x2='{:.0}' y2='{:.0}' stroke='black'/>\n\
+             <text x='{:.0}' y='{:.0}'>offered requests/s (max {max_x:.0})</text>\n\
+             <text x='{:.0}' y='{:.0}'>ms (max {max_y:.1})</text>",
+            x0 + pad,
+            y0 + 4.0,
+            px(0.0),
+            py(0.0),
+            px(max_x),
+            py(0.0),
+            px(0.0),
+            py(0.0),
+            px(0.0),
+            py(max_y),
+            px(0.0),
+            py(0.0) + 30.0,
+            x0,
+            y0 + 16.0,
+        );
+        for (label, color, pick) in [
+            (
+                "p50",
+                "#4c78a8",
+                (|s: &Step| s.ok_ms.p50) as fn(&Step) -> f64,
+            ),
+            ("p99", "#e45756", |s: &Step| s.ok_ms.p99),
+        ] {
+            let points: Vec<String> = steps
+                .iter()
+                .filter_map(|st| {
+                    st.offered
+                        .map(|x| format!("{:.1},{:.1}", px(x), py(pick(st))))
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>",
+                points.join(" ")
+            );
+            for st in &steps {
+                if let Some(x) = st.offered {
+                    let _ = writeln!(
+                        s,
+                        "<circle cx='{:.1}' cy='{:.1}' r='3' fill='{color}'/><text x='{:.1}' y='{:.1}' fill='{color}'>{:.1}</text>",
+                        px(x),
+                        py(pick(st)),
+                        px(x) + 4.0,
+                        py(pick(st)) - 4.0,
+                        pick(st)
+                    );
+                }
+            }
+            let ly = if label == "p50" { 30.0 } else { 44.0 };
+            let _ = writeln!(
+                s,
+                "<text x='{:.0}' y='{:.0}' fill='{color}'>{label}</text>",
+                x0 + panel_w - 60.0,
+                y0 + ly
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}

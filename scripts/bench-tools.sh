@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs the HTTP load generator the benches drive the API with, and prints
+# its path: vegeta (github.com/tsenart/vegeta), an open-loop generator (a
+# fixed arrival rate, whatever the server does) that also runs closed loop
+# with a fixed number of workers. Built once with Go from the module proxy
+# into ~/.cache/tally-tools; Go itself comes from the machine (/usr/local/go)
+# or Debian's golang-go.
+#
+#   scripts/bench-tools.sh vegeta   # prints the binary's path
+set -euo pipefail
+VEGETA_VERSION=v12.13.0
+TOOLS=${TALLY_TOOLS:-$HOME/.cache/tally-tools}
+
+go_binary() {
+    if command -v go >/dev/null; then command -v go
+    elif [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go
+    else
+        echo "[tools] installing Go from Debian" >&2
+        apt-get update -qq >&2 && apt-get install -y -qq golang-go >&2
+        command -v go
+    fi
+}
+
+case "${1:-}" in
+    vegeta)
+        bin="$TOOLS/vegeta-$VEGETA_VERSION/vegeta"
+        if [ ! -x "$bin" ]; then
+            echo "[tools] building vegeta $VEGETA_VERSION (about a minute)" >&2
+            GOBIN="$TOOLS/vegeta-$VEGETA_VERSION" GOFLAGS=-buildvcs=false \
+                "$(go_binary)" install "github.com/tsenart/vegeta/v12@$VEGETA_VERSION" >&2
+        fi
+        echo "$bin"
+        ;;
+    *)
+        echo "usage: scripts/bench-tools.sh vegeta" >&2
+        exit 2
+        ;;
+esac
