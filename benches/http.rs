@@ -79,6 +79,9 @@ struct Results {
     healthz: Option<Step>,
     store: Vec<StoreRun>,
     votes_closed: Option<Step>,
+    /// The same closed loop of votes from this process (reqwest), as the
+    /// in-repo harness of `load` measures: set against vegeta's.
+    votes_closed_in_process: Option<Step>,
     /// Seconds after the closed-loop votes until the consumer group's lag was 0.
     consumer_drain_secs: Option<f64>,
     pages_closed: Option<Step>,
@@ -146,6 +149,8 @@ async fn run() -> Results {
     let vote_capacity = votes.goodput.max(1.0);
     results.votes_closed = Some(votes);
     results.consumer_drain_secs = drained(&env.kafka, &group, Duration::from_secs(120)).await;
+    eprintln!("http: votes, closed loop from this process (reqwest), 64 in flight, {secs}s");
+    results.votes_closed_in_process = Some(in_process_votes(&api, &tokens, secs).await);
 
     eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
     let pages = vegeta.attack(
@@ -518,6 +523,76 @@ fn write_targets(file: &Path, base: &str, targets: &mut Targets, count: u64) {
     out.flush().unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// 64 tasks of this process each sending a vote and waiting for its answer.
+async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
+    use std::sync::Arc;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(128)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens = Arc::new(tokens.to_vec());
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let cpu_before = cpu_micros(api.pid());
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let (client, tokens, base) = (client.clone(), tokens.clone(), api.base.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Zipf::new(1, 1.0, 7_000 + w);
+            let (mut ok, mut refused, mut errors) =
+                (support::histogram(), support::histogram(), 0u64);
+            while Instant::now() < deadline {
+                let user = rng.below(tokens.len() as u64) as usize;
+                let action = ["like", "dislike", "none"][rng.below(3) as usize];
+                let body = serde_json::json!({
+                    "target_id": format!("t{}", rng.below(VOTE_TARGETS)),
+                    "target_type": "video",
+                    "action": action,
+                });
+                let start = Instant::now();
+                let res = client
+                    .post(format!("{base}/v1/votes"))
+                    .bearer_auth(&tokens[user])
+                    .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
+                    .json(&body)
+                    .send()
+                    .await;
+                let micros = start.elapsed().as_micros() as u64;
+                match res.map(|r| r.status().as_u16()) {
+                    Ok(200..=299) => {
+                        let _ = ok.record(micros.max(1));
+                    }
+                    Ok(503) => {
+                        let _ = refused.record(micros.max(1));
+                    }
+                    _ => errors += 1,
+                }
+            }
+            (ok, refused, errors)
+        }));
+    }
+    let (mut ok, mut refused, mut errors) = (support::histogram(), support::histogram(), 0);
+    for t in tasks {
+        let (o, r, e) = t.await.unwrap_or_else(|e| panic!("{e}"));
+        ok.add(&o).unwrap_or_else(|e| panic!("{e}"));
+        refused.add(&r).unwrap_or_else(|e| panic!("{e}"));
+        errors += e;
+    }
+    let sent = ok.len() + refused.len() + errors;
+    let cpu = cpu_micros(api.pid()).saturating_sub(cpu_before);
+    Step {
+        offered: None,
+        workers: Some(64),
+        seconds: secs as f64,
+        sent,
+        goodput: ok.len() as f64 / secs as f64,
+        ok_ms: support::percentiles(&ok),
+        refused: refused.len(),
+        refused_ms: support::percentiles(&refused),
+        errors,
+        server_cpu_us: cpu as f64 / sent.max(1) as f64,
+    }
+}
+
 /// `pid`'s CPU time so far (user + system), in microseconds.
 fn cpu_micros(pid: u32) -> u64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -592,6 +667,10 @@ fn report(r: &Results) {
     for (name, step) in [
         ("/healthz, 64 in flight", &r.healthz),
         ("POST /v1/votes, 64 in flight", &r.votes_closed),
+        (
+            "POST /v1/votes, 64 in flight, from the bench process (reqwest)",
+            &r.votes_closed_in_process,
+        ),
         (
             "GET /v1/votes/summary (21 ids), 32 in flight",
             &r.pages_closed,

@@ -93,6 +93,11 @@ async fn store_section(results: &mut Results) {
             Op::Vote,
             false,
         ),
+        (
+            "vote without its intent: the optimistic conditional batch alone",
+            Op::VoteBatchOnly,
+            false,
+        ),
         ("vote, 90% on one target", Op::Vote, true),
     ] {
         eprintln!("store: {name}, 64 in flight, {secs}s");

@@ -22,8 +22,8 @@ impl Counts {
     }
 
     /// Totals for many targets: one Redis round trip, then, per miss, one
-    /// read of each bucket's head, in parallel (one partition each, never a
-    /// multi-partition IN, never the voters).
+    /// request for every bucket's head (an IN over that target's own
+    /// partitions, the statics only, never the voters).
     /// With Redis down every target is read from Cassandra.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, StoreError> {
         let cached = match self.cache.get_many(targets).await {

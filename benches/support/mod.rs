@@ -163,15 +163,20 @@ pub async fn lwt_vote_optimistic(
     target: &tally::domain::TargetId,
     n: u64,
     guess: Option<tally::store::reactions::Current>,
+    intent: bool,
 ) -> tally::store::Cas {
     use tally::store::reactions::Written;
     let key = match bench_key(n) {
         Ok(k) => k,
         Err(e) => return tally::store::Cas::Failed(e),
     };
-    let slot = match store.outbox.intend(user, &key).await {
-        Ok(slot) => slot,
-        Err(e) => return tally::store::Cas::Failed(e.into()),
+    let bucket = if intent {
+        match store.outbox.intend(user, &key).await {
+            Ok(slot) => slot.bucket,
+            Err(e) => return tally::store::Cas::Failed(e.into()),
+        }
+    } else {
+        0
     };
     let mut current = guess;
     for _ in 0..4 {
@@ -183,7 +188,7 @@ pub async fn lwt_vote_optimistic(
             &key,
             current,
             to,
-            Some((slot.bucket, version)),
+            Some((bucket, version)),
         )
         .await
         {
@@ -312,6 +317,8 @@ pub enum Op {
     /// The vote's store work as the API does it: the outbox intent, then the
     /// conditional batch on a guess, retried on what a refusal returns.
     Vote,
+    /// The same without the outbox intent: what the batch alone costs.
+    VoteBatchOnly,
 }
 
 /// One store run's figures.
@@ -407,17 +414,22 @@ pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Dura
                             _ => Cas::Unknown(anyhow::anyhow!("bare LWT")),
                         }
                     }
-                    Op::ReadThenWrite | Op::Vote => {
+                    Op::ReadThenWrite | Op::Vote | Op::VoteBatchOnly => {
                         let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
                         {
                             (Ok(u), Ok(t)) => (u, t),
                             _ => panic!("bad ids {user} {target}"),
                         };
                         let k = w * 1_000_000 + n;
-                        if op == Op::ReadThenWrite {
-                            lwt_vote(&ops.store, &user, &target, k).await
-                        } else {
-                            lwt_vote_optimistic(&ops.store, &user, &target, k, None).await
+                        match op {
+                            Op::ReadThenWrite => lwt_vote(&ops.store, &user, &target, k).await,
+                            Op::Vote => {
+                                lwt_vote_optimistic(&ops.store, &user, &target, k, None, true).await
+                            }
+                            _ => {
+                                lwt_vote_optimistic(&ops.store, &user, &target, k, None, false)
+                                    .await
+                            }
                         }
                     }
                 };

@@ -225,7 +225,10 @@ mod tests {
         let (first, second) = (tokio::spawn(wait(a.clone())), tokio::spawn(wait(a.clone())));
         tokio::task::yield_now().await;
         assert_eq!(a.lock().waiting, 2);
-        assert!(a.admit().await.is_none(), "the queue is full: refused at once");
+        assert!(
+            a.admit().await.is_none(),
+            "the queue is full: refused at once"
+        );
 
         drop(running.pop());
         let admitted = [first, second].map(|t| async move { t.await.ok().flatten() });

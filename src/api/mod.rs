@@ -79,7 +79,7 @@ pub struct ApiConfig {
 
     /// While requests of a kind take longer than this on average, fewer are
     /// admitted at once; while they are faster, more.
-    #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "25ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub admission_target: Duration,
 
     /// How long a request above the limit may wait for a place before it is
@@ -263,8 +263,8 @@ async fn openapi() -> HttpResponse {
 
 /// The access log: one compact line per request under the target
 /// `tally::access`, outside the request's span so its fields are not
-/// repeated. Answers of 5xx and slower than `--slow-request` are WARN, and
-/// always written; the rest are INFO, which the default filter leaves out
+/// repeated. Answers of 5xx (but admission's refusals) and slower than
+/// `--slow-request` are WARN, and always written; the rest are INFO, which the default filter leaves out
 /// (`RUST_LOG=info,tally::access=info` writes them: about 200 bytes each).
 fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Duration) {
     let slow = res
@@ -274,7 +274,15 @@ fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Durati
     let status = res.status().as_u16();
     let ms = elapsed.as_secs_f64() * 1000.0;
     let (method, path) = (res.request().method().as_str(), res.request().path());
-    if status >= 500 || elapsed >= slow {
+    // A refusal by admission is load being shed as designed, thousands a
+    // second under overload: counted (tally_admission_refused_total), not
+    // written one by one.
+    let shed = res
+        .response()
+        .extensions()
+        .get::<error::ErrorCode>()
+        .is_some_and(|c| c.0 == "overloaded");
+    if (status >= 500 && !shed) || elapsed >= slow {
         tracing::warn!(target: "tally::access", method, path, status, ms, request_id = id, "answered");
     } else {
         tracing::info!(target: "tally::access", method, path, status, ms, request_id = id, "answered");
