@@ -24,7 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use support::{Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, env_num, store_run};
+use support::{Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, env_num, store_runs};
 
 const SECRET: &str = "bench-secret-0123";
 const VOTERS: u64 = 5_000;
@@ -123,19 +123,31 @@ async fn run() -> Results {
 
     // The store ceilings, in this run, while the API idles.
     let ops = StoreOps::open(&env).await;
-    for (name, op) in [
-        ("plain upsert", Op::Upsert),
-        ("bare single-row LWT (INSERT IF NOT EXISTS)", Op::BareLwt),
+    let runs = [
+        ("plain upsert", Op::Upsert, false),
+        (
+            "bare single-row LWT (INSERT IF NOT EXISTS)",
+            Op::BareLwt,
+            false,
+        ),
         (
             "the vote's store operation (intent + optimistic batch)",
             Op::Vote,
+            false,
         ),
-    ] {
-        eprintln!("http: store, {name}, 64 in flight, {secs}s");
-        results
-            .store
-            .push(store_run(&ops, name, op, false, Duration::from_secs(secs)).await);
-    }
+        (
+            "the vote's batch alone (no intent)",
+            Op::VoteBatchOnly,
+            false,
+        ),
+        (
+            "the vote before: read, then the batch",
+            Op::ReadThenWrite,
+            false,
+        ),
+    ];
+    eprintln!("http: store ceilings, 64 in flight, {secs}s each in 3 rounds");
+    results.store = store_runs(&ops, &runs, Duration::from_secs(secs), 3).await;
 
     let mut rng = Zipf::new(1, 1.0, 42);
     eprintln!("http: votes, closed loop, 64 in flight, {}s", secs * 2);
@@ -153,6 +165,8 @@ async fn run() -> Results {
     results.votes_closed_in_process = Some(in_process_votes(&api, &tokens, secs).await);
 
     eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
+    // With TALLY_HTTP_PROFILE=1, perf samples `tally vote` meanwhile.
+    let profile = profile_requested().then(|| Profile::start(api.pid(), secs, &dir));
     let pages = vegeta.attack(
         &api,
         &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
@@ -160,6 +174,9 @@ async fn run() -> Results {
         secs,
         &dir,
     );
+    if let Some(profile) = profile {
+        profile.report(&dir.join("summary-profile.txt"));
+    }
     let page_capacity = pages.goodput.max(1.0);
     results.pages_closed = Some(pages);
 
@@ -521,6 +538,54 @@ fn write_targets(file: &Path, base: &str, targets: &mut Targets, count: u64) {
             .unwrap_or_else(|e| panic!("{e}"));
     }
     out.flush().unwrap_or_else(|e| panic!("{e}"));
+}
+
+fn profile_requested() -> bool {
+    std::env::var("TALLY_HTTP_PROFILE").is_ok_and(|v| v == "1")
+}
+
+/// `perf record` (Debian's linux-perf) on one process, with call graphs.
+struct Profile {
+    child: Child,
+    data: PathBuf,
+}
+
+impl Profile {
+    fn start(pid: u32, secs: u64, dir: &Path) -> Profile {
+        let data = dir.join("summary-profile.data");
+        let child = Command::new("perf")
+            .args(["record", "-F", "499", "-g", "-o"])
+            .arg(&data)
+            .args(["-p", &pid.to_string(), "--", "sleep", &secs.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("perf record (apt-get install linux-perf): {e}"));
+        Profile { child, data }
+    }
+
+    /// Where the samples fell, by symbol, self time, as text.
+    fn report(mut self, out: &Path) {
+        let _ = self.child.wait();
+        let report = Command::new("perf")
+            .args([
+                "report",
+                "--stdio",
+                "--no-children",
+                "--sort",
+                "dso,symbol",
+                "--percent-limit",
+                "0.5",
+                "-g",
+                "none",
+                "-i",
+            ])
+            .arg(&self.data)
+            .output()
+            .unwrap_or_else(|e| panic!("perf report: {e}"));
+        let _ = std::fs::write(out, &report.stdout);
+        eprintln!("http: profile of the summary run in {}", out.display());
+    }
 }
 
 /// 64 tasks of this process each sending a vote and waiting for its answer.

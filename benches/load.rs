@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use report::{ConsumerRun, RateStep, Results, StoreRun};
-use support::{Op, StoreOps, Zipf, bench_env, env_num, histogram, percentiles, store_run};
+use support::{Op, StoreOps, Zipf, bench_env, env_num, histogram, percentiles, store_runs};
 use tally::domain::Reaction;
 
 fn main() {
@@ -76,7 +76,7 @@ async fn store_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_SECS", 15);
     let env = bench_env("load_store", 1).await;
     let stores = StoreOps::open(&env).await;
-    for (name, op, hot) in [
+    let runs = [
         ("plain upsert, uniform", Op::Upsert, false),
         (
             "bare single-row LWT (INSERT IF NOT EXISTS)",
@@ -99,12 +99,8 @@ async fn store_section(results: &mut Results) {
             false,
         ),
         ("vote, 90% on one target", Op::Vote, true),
-    ] {
-        eprintln!("store: {name}, 64 in flight, {secs}s");
-        results
-            .store
-            .push(store_run(&stores, name, op, hot, Duration::from_secs(secs)).await);
-    }
+    ];
+    results.store = store_runs(&stores, &runs, Duration::from_secs(secs), 3).await;
     env.drop_all().await;
 }
 

@@ -365,9 +365,59 @@ impl StoreOps {
     }
 }
 
+/// One store run's latencies, seconds, CAS timeouts and conflicts.
+type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64);
+
+/// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
+/// `secs / rounds` taken in order: whatever the stores do in the background
+/// (compaction of what earlier runs wrote, say) falls on every run alike
+/// rather than on the later ones.
+pub async fn store_runs(
+    ops: &StoreOps,
+    runs: &[(&str, Op, bool)],
+    secs: Duration,
+    rounds: u32,
+) -> Vec<StoreRun> {
+    let rounds = rounds.max(1);
+    let mut totals: Vec<Option<Measured>> = runs.iter().map(|_| None).collect();
+    for round in 0..rounds {
+        for (i, (name, op, hot)) in runs.iter().enumerate() {
+            eprintln!(
+                "store: {name}, 64 in flight, round {} of {rounds}",
+                round + 1
+            );
+            let (h, elapsed, unknown, conflicts) =
+                store_run(ops, *op, *hot, secs / rounds, round).await;
+            match &mut totals[i] {
+                Some((all, e, u, c)) => {
+                    all.add(&h).unwrap_or_else(|e| panic!("{e}"));
+                    *e += elapsed;
+                    *u += unknown;
+                    *c += conflicts;
+                }
+                slot => *slot = Some((h, elapsed, unknown, conflicts)),
+            }
+        }
+    }
+    runs.iter()
+        .zip(totals)
+        .filter_map(|((name, ..), t)| {
+            t.map(|(all, elapsed, unknown, conflicts)| StoreRun {
+                name: (*name).into(),
+                ops_per_sec: all.len() as f64 / elapsed,
+                latency_ms: percentiles(&all),
+                cas_unknown: unknown,
+                conflicts,
+            })
+        })
+        .collect()
+}
+
 /// `op` with 64 in flight for `secs`: 20,000 users over 10,000 targets, or
-/// 90% on one target when `hot`.
-pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Duration) -> StoreRun {
+/// 90% on one target when `hot`. The latencies, the seconds it took, CAS
+/// timeouts and conflicts. `round` varies the draws, so no round repeats
+/// another's rows.
+async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32) -> Measured {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
     use tally::domain::{TargetId, UserId};
@@ -378,7 +428,7 @@ pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Dura
     for w in 0..64u64 {
         let (ops, unknown, conflicts) = (ops.clone(), unknown.clone(), conflicts.clone());
         tasks.push(tokio::spawn(async move {
-            let mut rng = Zipf::new(1, 1.0, w + 1);
+            let mut rng = Zipf::new(1, 1.0, w + 1 + u64::from(round) * 1_000);
             let mut h = histogram();
             let mut n = 0u64;
             while std::time::Instant::now() < deadline {
@@ -402,7 +452,7 @@ pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Dura
                         Cas::Applied
                     }
                     Op::BareLwt => {
-                        let fresh = format!("b{w}-{n}");
+                        let fresh = format!("b{round}-{w}-{n}");
                         match ops
                             .session
                             .execute_unpaged(&ops.bare, (&user, &fresh, "video", "like"))
@@ -420,7 +470,7 @@ pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Dura
                             (Ok(u), Ok(t)) => (u, t),
                             _ => panic!("bad ids {user} {target}"),
                         };
-                        let k = w * 1_000_000 + n;
+                        let k = u64::from(round) * 100_000_000 + w * 1_000_000 + n;
                         match op {
                             Op::ReadThenWrite => lwt_vote(&ops.store, &user, &target, k).await,
                             Op::Vote => {
@@ -456,11 +506,10 @@ pub async fn store_run(ops: &StoreOps, name: &str, op: Op, hot: bool, secs: Dura
         all.add(&h).unwrap_or_else(|e| panic!("{e}"));
     }
     let elapsed = started.elapsed().as_secs_f64().max(secs.as_secs_f64());
-    StoreRun {
-        name: name.into(),
-        ops_per_sec: all.len() as f64 / elapsed,
-        latency_ms: percentiles(&all),
-        cas_unknown: unknown.load(Ordering::Relaxed),
-        conflicts: conflicts.load(Ordering::Relaxed),
-    }
+    (
+        all,
+        elapsed,
+        unknown.load(Ordering::Relaxed),
+        conflicts.load(Ordering::Relaxed),
+    )
 }

@@ -7,7 +7,7 @@
 //! (so one slow answer, a GC pause, does not cut it). While the average is
 //! within the target, each request that finishes while the limit was in use
 //! raises the limit by 1/limit (one per limit's worth of requests); while it
-//! is above, the limit is cut by a tenth, at most once per target interval.
+//! is above, the limit is cut by a tenth, at most once per two targets.
 //! It starts at its ceiling, so it only ever matters under load.
 //!
 //! A request above the limit waits in a short queue (as many places as the
@@ -149,9 +149,11 @@ impl Admission {
         let before = state.limit;
         state.average += (took.as_secs_f64() - state.average) * WEIGHT;
         if state.average > self.config.target.as_secs_f64() {
+            // At most one cut per two targets: the average needs that long
+            // to show what the last cut did.
             let cut_long_ago = state
                 .last_cut
-                .is_none_or(|at| now.duration_since(at) >= self.config.target);
+                .is_none_or(|at| now.duration_since(at) >= self.config.target * 2);
             if cut_long_ago {
                 state.limit = (state.limit * 0.9).max(self.config.min as f64);
                 state.last_cut = Some(now);
@@ -287,7 +289,7 @@ mod tests {
         // Slow answers over a long time cut to the floor, never below.
         for i in 0..200u64 {
             a.lock().in_flight += 1;
-            a.release(slow, true, t0 + Duration::from_millis(20 * (i + 1)));
+            a.release(slow, true, t0 + Duration::from_millis(40 * (i + 1)));
         }
         assert_eq!(a.limit(), 4);
     }

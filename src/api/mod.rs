@@ -73,8 +73,10 @@ pub struct ApiConfig {
     #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
 
-    /// The fewest requests of a kind admitted at once, however slow.
-    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 4)]
+    /// The fewest requests of a kind admitted at once, however slow: enough
+    /// to keep the stores busy, so that CPU taken by other work (which also
+    /// slows votes) cannot shrink the limit to nothing.
+    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 32)]
     pub min_in_flight: usize,
 
     /// While requests of a kind take longer than this on average, fewer are
