@@ -199,6 +199,39 @@ pub async fn lwt_vote_optimistic(
     tally::store::Cas::NotApplied
 }
 
+/// One vote as the API cast it before it went optimistic: a read of the
+/// row and the key, the outbox intent, then the batch with the transition.
+pub async fn vote_after_read(
+    store: &tally::store::Store,
+    user: &tally::domain::UserId,
+    target: &tally::domain::TargetId,
+    n: u64,
+) -> tally::store::Cas {
+    let key = match bench_key(n) {
+        Ok(k) => k,
+        Err(e) => return tally::store::Cas::Failed(e),
+    };
+    let snap = match store.reactions.snapshot(user, target, &key, false).await {
+        Ok(s) => s,
+        Err(e) => return tally::store::Cas::Unknown(e.into()),
+    };
+    let slot = match store.outbox.intend(user, &key).await {
+        Ok(slot) => slot,
+        Err(e) => return tally::store::Cas::Failed(e.into()),
+    };
+    let (to, version) = flip(snap.current);
+    cas(write(
+        store,
+        user,
+        target,
+        &key,
+        snap.current,
+        to,
+        Some((slot.bucket, version)),
+    )
+    .await)
+}
+
 fn bench_key(n: u64) -> anyhow::Result<tally::domain::IdempotencyKey> {
     Ok(tally::domain::IdempotencyKey::parse(&format!(
         "k{n}-{}",
@@ -319,6 +352,9 @@ pub enum Op {
     Vote,
     /// The same without the outbox intent: what the batch alone costs.
     VoteBatchOnly,
+    /// The vote's store work before it went optimistic: the read, the
+    /// intent, then the batch carrying the transition.
+    ReadThenVote,
 }
 
 /// One store run's figures.
@@ -464,7 +500,7 @@ async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32
                             _ => Cas::Unknown(anyhow::anyhow!("bare LWT")),
                         }
                     }
-                    Op::ReadThenWrite | Op::Vote | Op::VoteBatchOnly => {
+                    Op::ReadThenWrite | Op::Vote | Op::VoteBatchOnly | Op::ReadThenVote => {
                         let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
                         {
                             (Ok(u), Ok(t)) => (u, t),
@@ -473,6 +509,9 @@ async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32
                         let k = u64::from(round) * 100_000_000 + w * 1_000_000 + n;
                         match op {
                             Op::ReadThenWrite => lwt_vote(&ops.store, &user, &target, k).await,
+                            Op::ReadThenVote => {
+                                vote_after_read(&ops.store, &user, &target, k).await
+                            }
                             Op::Vote => {
                                 lwt_vote_optimistic(&ops.store, &user, &target, k, None, true).await
                             }
