@@ -141,10 +141,11 @@ async fn run() -> Results {
             false,
         ),
         (
-            "the vote before: read, then the batch",
-            Op::ReadThenWrite,
+            "the vote before: read, intent, then the batch",
+            Op::ReadThenVote,
             false,
         ),
+        ("read, then the batch (no outbox)", Op::ReadThenWrite, false),
     ];
     eprintln!("http: store ceilings, 64 in flight, {secs}s each in 3 rounds");
     results.store = store_runs(&ops, &runs, Duration::from_secs(secs), 3).await;

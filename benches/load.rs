@@ -84,8 +84,13 @@ async fn store_section(results: &mut Results) {
             false,
         ),
         (
-            "vote before: read, then the conditional batch (no outbox)",
+            "read, then the conditional batch (no outbox)",
             Op::ReadThenWrite,
+            false,
+        ),
+        (
+            "vote before: read, outbox intent, then the batch with the transition",
+            Op::ReadThenVote,
             false,
         ),
         (
