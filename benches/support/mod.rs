@@ -405,9 +405,9 @@ impl StoreOps {
 type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64);
 
 /// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
-/// `secs / rounds` taken in order: whatever the stores do in the background
-/// (compaction of what earlier runs wrote, say) falls on every run alike
-/// rather than on the later ones.
+/// `secs / rounds`, each round in an order rotated by one: whatever the
+/// stores do in the background (compaction of what earlier runs wrote, say)
+/// falls on every run alike rather than on the later ones.
 pub async fn store_runs(
     ops: &StoreOps,
     runs: &[(&str, Op, bool)],
@@ -417,7 +417,11 @@ pub async fn store_runs(
     let rounds = rounds.max(1);
     let mut totals: Vec<Option<Measured>> = runs.iter().map(|_| None).collect();
     for round in 0..rounds {
-        for (i, (name, op, hot)) in runs.iter().enumerate() {
+        // Each round starts one run later, so no run always follows the same
+        // one (and inherits its flushes and compactions).
+        let order = (0..runs.len()).map(|i| (i + round as usize) % runs.len());
+        for i in order {
+            let (name, op, hot) = &runs[i];
             eprintln!(
                 "store: {name}, 64 in flight, round {} of {rounds}",
                 round + 1
