@@ -253,11 +253,12 @@ impl Caster {
                     self.store.reactions.commit(&change).await
                 }
                 // Already in that state: nothing changes, but the key is
-                // recorded so a late retry of it cannot undo a later click.
+                // recorded so a late retry of it cannot undo a later click,
+                // if the row still holds that state (the guess may be stale).
                 None => {
                     self.store
                         .reactions
-                        .record(user, key, &attempt.record)
+                        .record_unchanged(user, &vote.target_id, current, key, &attempt.record)
                         .await
                 }
             };

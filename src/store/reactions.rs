@@ -107,7 +107,8 @@ pub struct Reactions {
     by_target: PreparedStatement,
     first_change: Batch,
     next_change: Batch,
-    record_only: PreparedStatement,
+    unchanged: Batch,
+    still_absent: Batch,
     key_ttl_secs: i32,
 }
 
@@ -180,6 +181,26 @@ impl Reactions {
             .await
             .context("prepare idempotency record")?;
 
+        // A vote for the state the user already holds changes nothing, but
+        // its key is recorded only if the row still holds that state: the
+        // state it was answered from may be a guess. The row is rewritten
+        // with the value it has (no new version), or, for a user with no
+        // row, a cell is cleared that no live row has (no row is created).
+        let keep_state = session
+            .prepare(
+                "UPDATE reactions SET state = ? WHERE user_id = ? AND target_id = ? \
+                 IF state = ? AND version = ?",
+            )
+            .await
+            .context("prepare unchanged reaction")?;
+        let keep_absent = session
+            .prepare(
+                "UPDATE reactions SET updated_at = null WHERE user_id = ? AND target_id = ? \
+                 IF version = null",
+            )
+            .await
+            .context("prepare absent reaction")?;
+
         // One partition, one table: Cassandra runs the whole batch as one
         // Paxos round, so the change and its key land together or not at all.
         let batch = |change: &PreparedStatement| {
@@ -193,13 +214,14 @@ impl Reactions {
         Ok(Reactions {
             first_change: batch(&insert_first),
             next_change: batch(&update_next),
+            unchanged: batch(&keep_state),
+            still_absent: batch(&keep_absent),
             session,
             snapshot,
             snapshot_serial,
             record_serial,
             states,
             by_target,
-            record_only,
             key_ttl_secs,
         })
     }
@@ -287,15 +309,32 @@ impl Reactions {
         written(&key_row, result)
     }
 
-    /// Records a key whose request changed nothing (the user already had
-    /// that state), so its retries get the same answer.
-    pub async fn record(&self, user: &UserId, key: &IdempotencyKey, record: &KeyRecord) -> Written {
+    /// Records a key whose request changes nothing (the user already holds
+    /// that state), so its retries get the same answer; on the condition that
+    /// the row holds what `expected` says, in the same round.
+    pub async fn record_unchanged(
+        &self,
+        user: &UserId,
+        target: &TargetId,
+        expected: Option<Current>,
+        key: &IdempotencyKey,
+        record: &KeyRecord,
+    ) -> Written {
         let key_row = key_row(key);
         let values = self.record_values(user, &key_row, record);
-        let result = self
-            .session
-            .execute_unpaged(&self.record_only, values)
-            .await;
+        let (u, t) = (user.as_str(), target.as_str());
+        let result = match expected {
+            Some(c) => {
+                let state = c.state.as_str();
+                let keep = (state, u, t, state, c.version);
+                self.session.batch(&self.unchanged, (keep, values)).await
+            }
+            None => {
+                self.session
+                    .batch(&self.still_absent, ((u, t), values))
+                    .await
+            }
+        };
         written(&key_row, result)
     }
 

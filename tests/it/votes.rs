@@ -390,3 +390,50 @@ async fn a_refused_vote_write_returns_the_row_and_the_record_it_was_refused_on()
     );
     Ok(())
 }
+
+/// A vote for the state a process believes the user holds is answered only
+/// if the row holds it: two instances, each with its own stale belief, never
+/// acknowledge a state the row does not have.
+#[tokio::test]
+async fn a_stale_belief_of_the_row_never_acknowledges_a_state_the_row_lacks() -> TestResult {
+    let env = TestEnv::new().await;
+    let (a, b) = (env.spawn_app().await, env.spawn_app().await);
+    let state_of = |reply: &crate::support::Reply| reply.json()["user_state"].clone();
+
+    // A sees the like. B has seen nothing, so it believes bob has no row:
+    // "none" looks like nothing to do, but the row says like.
+    assert_eq!(
+        state_of(&a.vote("bob", new_key(), "video_stale", "like").await),
+        "like"
+    );
+    let undo = b.vote("bob", new_key(), "video_stale", "none").await;
+    assert_eq!(
+        (undo.status, state_of(&undo)),
+        (200, "none".into()),
+        "{}",
+        undo.body
+    );
+    let now = a.summary("bob", "video_stale").await.json()["items"]["video_stale"].clone();
+    assert_eq!(
+        (now["user_state"].clone(), now["likes"].clone()),
+        ("none".into(), 0.into()),
+        "{now}"
+    );
+
+    // A still believes bob likes it: "like" looks like nothing to do, but
+    // the row says none.
+    let again = a.vote("bob", new_key(), "video_stale", "like").await;
+    assert_eq!(
+        (again.status, state_of(&again)),
+        (200, "like".into()),
+        "{}",
+        again.body
+    );
+    let now = b.summary("bob", "video_stale").await.json()["items"]["video_stale"].clone();
+    assert_eq!(
+        (now["user_state"].clone(), now["likes"].clone()),
+        ("like".into(), 1.into()),
+        "{now}"
+    );
+    Ok(())
+}
