@@ -141,6 +141,11 @@ async fn run() -> Results {
             false,
         ),
         (
+            "the vote without the outbox (no intent, no transition)",
+            Op::VoteNoOutbox,
+            false,
+        ),
+        (
             "the vote before: read, intent, then the batch",
             Op::ReadThenVote,
             false,

@@ -99,8 +99,13 @@ async fn store_section(results: &mut Results) {
             false,
         ),
         (
-            "vote without its intent: the optimistic conditional batch alone",
+            "vote without its intent: the optimistic batch, the transition in its record",
             Op::VoteBatchOnly,
+            false,
+        ),
+        (
+            "vote without the outbox: the optimistic batch, no intent, no transition",
+            Op::VoteNoOutbox,
             false,
         ),
         ("vote, 90% on one target", Op::Vote, true),
@@ -274,6 +279,8 @@ async fn e2e_section(results: &mut Results) {
     }
     results.e2e_closed_loop_writes = Some(StoreRun {
         name: "vote API POST /v1/votes, 64 in flight".into(),
+        op: "api".into(),
+        hot: false,
         ops_per_sec: all.len() as f64 / started.elapsed().as_secs_f64(),
         latency_ms: percentiles(&all),
         cas_unknown: 0,

@@ -135,7 +135,7 @@ pub struct Caster {
 /// what a row holds. Only ever a guess: a wrong one (another instance's
 /// vote, a hash collision, a forgotten entry) costs one refused round.
 #[derive(Default)]
-struct Hints {
+pub struct Hints {
     seen: std::sync::Mutex<std::collections::HashMap<u64, Current>>,
     hasher: std::collections::hash_map::RandomState,
 }
@@ -149,12 +149,14 @@ impl Hints {
         self.hasher.hash_one((user.as_str(), target.as_str()))
     }
 
-    fn get(&self, user: &UserId, target: &TargetId) -> Option<Current> {
+    /// The row this process last saw, if it remembers one.
+    pub fn get(&self, user: &UserId, target: &TargetId) -> Option<Current> {
         let slot = self.slot(user, target);
         self.seen.lock().ok()?.get(&slot).copied()
     }
 
-    fn remember(&self, user: &UserId, target: &TargetId, state: Reaction, version: i64) {
+    /// Remembers a row seen at `version`, unless a newer one is known.
+    pub fn remember(&self, user: &UserId, target: &TargetId, state: Reaction, version: i64) {
         let slot = self.slot(user, target);
         if let Ok(mut seen) = self.seen.lock() {
             if seen.len() >= HINTS {
@@ -359,6 +361,7 @@ impl Caster {
                 status: 200,
                 body,
                 intent_bucket: json.as_ref().map(|_| intent.bucket),
+                intent_shard: json.as_ref().map(|_| intent.shard),
                 transition: json,
             },
             transition,
@@ -527,7 +530,7 @@ impl AfterCommit {
         key: &IdempotencyKey,
         request_id: &str,
     ) {
-        let (Some(json), Some(bucket)) = (&record.transition, record.intent_bucket) else {
+        let (Some(json), Some(slot)) = (&record.transition, record.intent_slot(user)) else {
             return;
         };
         let transition = match Transition::from_json(json.as_bytes()) {
@@ -547,13 +550,9 @@ impl AfterCommit {
             // The request that committed it may still be counting it in the
             // cache; once that is over, publishing cannot overtake it.
             tokio::time::sleep(after.counts.cache.change_budget()).await;
-            if let Ok(true) = after.store.outbox.is_resolved(bucket, &user, &key).await {
+            if let Ok(true) = after.store.outbox.is_resolved(slot, &user, &key).await {
                 return;
             }
-            let slot = Slot {
-                bucket,
-                shard: crate::store::outbox::shard_of(&user),
-            };
             if after
                 .publisher
                 .publish(&transition, &request_id)

@@ -53,13 +53,18 @@ pub fn report(r: &Results) {
                 s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts
             );
         }
-        if let [upsert, uniform, hot] = &r.store[..] {
+        let rate = |op| super::support::rate_of(&r.store, op);
+        if let (Some(with), Some(without), Some(bare)) = (
+            rate(super::support::Op::Vote),
+            rate(super::support::Op::VoteNoOutbox),
+            rate(super::support::Op::BareLwt),
+        ) {
             let _ = writeln!(
                 md,
-                "\nLWT vs upsert throughput: {:.2}x; LWT p95 / upsert p95: {:.2}x; hot / uniform throughput: {:.2}x\n",
-                uniform.ops_per_sec / upsert.ops_per_sec,
-                uniform.latency_ms.p95 / upsert.latency_ms.p95,
-                hot.ops_per_sec / uniform.ops_per_sec
+                "\nVote with its outbox / without: {:.2}x ({:.1}% fewer votes/s); vote / bare LWT: {:.2}x\n",
+                with / without,
+                100.0 * (1.0 - with / without),
+                with / bare
             );
         }
     }

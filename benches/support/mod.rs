@@ -154,31 +154,47 @@ pub async fn lwt_vote(
     cas(write(store, user, target, &key, snap.current, change, None).await)
 }
 
+/// How much of the outbox a bench vote writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboxPart {
+    /// The intent, and the transition in the key's record: what the API does.
+    Whole,
+    /// The transition in the record, no intent.
+    Record,
+    /// Neither: the write path without the outbox.
+    Nothing,
+}
+
 /// One vote as the API casts it now: its outbox intent, then the
-/// conditional batch guessing the row holds `guess`, and on a refusal again
-/// with what the refusal returned (no read of its own).
+/// conditional batch guessing the row holds what `hints` last saw (as the
+/// API's process does), and on a refusal again with what the refusal
+/// returned (no read of its own).
 pub async fn lwt_vote_optimistic(
     store: &tally::store::Store,
     user: &tally::domain::UserId,
     target: &tally::domain::TargetId,
     n: u64,
-    guess: Option<tally::store::reactions::Current>,
-    intent: bool,
+    hints: &tally::cast::Hints,
+    outbox: OutboxPart,
 ) -> tally::store::Cas {
+    use tally::store::outbox::Slot;
     use tally::store::reactions::Written;
     let key = match bench_key(n) {
         Ok(k) => k,
         Err(e) => return tally::store::Cas::Failed(e),
     };
-    let bucket = if intent {
-        match store.outbox.intend(user, &key).await {
-            Ok(slot) => slot.bucket,
+    let slot = match outbox {
+        OutboxPart::Whole => match store.outbox.intend(user, &key).await {
+            Ok(slot) => Some(slot),
             Err(e) => return tally::store::Cas::Failed(e.into()),
-        }
-    } else {
-        0
+        },
+        OutboxPart::Record => Some(Slot {
+            bucket: 0,
+            shard: 0,
+        }),
+        OutboxPart::Nothing => None,
     };
-    let mut current = guess;
+    let mut current = hints.get(user, target);
     for _ in 0..4 {
         let (to, version) = flip(current);
         match write(
@@ -188,12 +204,17 @@ pub async fn lwt_vote_optimistic(
             &key,
             current,
             to,
-            Some((bucket, version)),
+            slot.map(|s| (s, version)),
         )
         .await
         {
             Written::Refused(snap) if snap.record.is_none() => current = snap.current,
-            other => return cas(other),
+            other => {
+                if let Written::Applied = other {
+                    hints.remember(user, target, to, version);
+                }
+                return cas(other);
+            }
         }
     }
     tally::store::Cas::NotApplied
@@ -227,7 +248,7 @@ pub async fn vote_after_read(
         &key,
         snap.current,
         to,
-        Some((slot.bucket, version)),
+        Some((slot, version)),
     )
     .await)
 }
@@ -258,12 +279,12 @@ async fn write(
     key: &tally::domain::IdempotencyKey,
     current: Option<tally::store::reactions::Current>,
     to: tally::domain::Reaction,
-    outbox: Option<(i64, i64)>,
+    outbox: Option<(tally::store::outbox::Slot, i64)>,
 ) -> tally::store::reactions::Written {
     use tally::domain::{Reaction, TargetType, Transition};
     use tally::store::reactions::{Change, KeyRecord};
-    let (transition, intent_bucket) = match outbox {
-        Some((bucket, version)) => {
+    let (transition, intent) = match outbox {
+        Some((slot, version)) => {
             let t = Transition {
                 target_id: target.clone(),
                 target_type: TargetType::Video,
@@ -274,7 +295,7 @@ async fn write(
                 occurred_at: "2026-11-30T00:00:00.000Z".into(),
             };
             let json = t.to_json().ok().and_then(|j| String::from_utf8(j).ok());
-            (json, Some(bucket))
+            (json, Some(slot))
         }
         None => (None, None),
     };
@@ -284,7 +305,8 @@ async fn write(
         status: 200,
         body: "{}".into(),
         transition,
-        intent_bucket,
+        intent_bucket: intent.map(|s| s.bucket),
+        intent_shard: intent.map(|s| s.shard),
     };
     let change = Change {
         user,
@@ -352,6 +374,9 @@ pub enum Op {
     Vote,
     /// The same without the outbox intent: what the batch alone costs.
     VoteBatchOnly,
+    /// The same batch without the transition in its record: the write path
+    /// without any of the outbox.
+    VoteNoOutbox,
     /// The vote's store work before it went optimistic: the read, the
     /// intent, then the batch carrying the transition.
     ReadThenVote,
@@ -361,6 +386,9 @@ pub enum Op {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StoreRun {
     pub name: String,
+    /// The `Op` it ran, by name, and whether 90% of it went to one target.
+    pub op: String,
+    pub hot: bool,
     pub ops_per_sec: f64,
     pub latency_ms: Percentiles,
     pub cas_unknown: u64,
@@ -408,6 +436,14 @@ type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64);
 /// `secs / rounds`, each round in an order rotated by one: whatever the
 /// stores do in the background (compaction of what earlier runs wrote, say)
 /// falls on every run alike rather than on the later ones.
+/// The rate of the uniform run of `op` among `runs`.
+pub fn rate_of(runs: &[StoreRun], op: Op) -> Option<f64> {
+    let op = format!("{op:?}");
+    runs.iter()
+        .find(|r| r.op == op && !r.hot)
+        .map(|r| r.ops_per_sec)
+}
+
 pub async fn store_runs(
     ops: &StoreOps,
     runs: &[(&str, Op, bool)],
@@ -416,6 +452,12 @@ pub async fn store_runs(
 ) -> Vec<StoreRun> {
     let rounds = rounds.max(1);
     let mut totals: Vec<Option<Measured>> = runs.iter().map(|_| None).collect();
+    // Each run keeps its own rows (its users are its own) and what it saw
+    // of them across its rounds, as one API process would.
+    let hints: Vec<_> = runs
+        .iter()
+        .map(|_| std::sync::Arc::new(tally::cast::Hints::default()))
+        .collect();
     for round in 0..rounds {
         // Each round starts one run later, so no run always follows the same
         // one (and inherits its flushes and compactions).
@@ -427,7 +469,7 @@ pub async fn store_runs(
                 round + 1
             );
             let (h, elapsed, unknown, conflicts) =
-                store_run(ops, *op, *hot, secs / rounds, round).await;
+                store_run(ops, (*op, *hot, i), &hints[i], secs / rounds, round).await;
             match &mut totals[i] {
                 Some((all, e, u, c)) => {
                     all.add(&h).unwrap_or_else(|e| panic!("{e}"));
@@ -441,9 +483,11 @@ pub async fn store_runs(
     }
     runs.iter()
         .zip(totals)
-        .filter_map(|((name, ..), t)| {
+        .filter_map(|((name, op, hot), t)| {
             t.map(|(all, elapsed, unknown, conflicts)| StoreRun {
                 name: (*name).into(),
+                op: format!("{op:?}"),
+                hot: *hot,
                 ops_per_sec: all.len() as f64 / elapsed,
                 latency_ms: percentiles(&all),
                 cas_unknown: unknown,
@@ -455,9 +499,15 @@ pub async fn store_runs(
 
 /// `op` with 64 in flight for `secs`: 20,000 users over 10,000 targets, or
 /// 90% on one target when `hot`. The latencies, the seconds it took, CAS
-/// timeouts and conflicts. `round` varies the draws, so no round repeats
-/// another's rows.
-async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32) -> Measured {
+/// timeouts and conflicts. The users are the `run`'s own, and `hints` what
+/// it saw of their rows in earlier rounds; `round` varies the draws.
+async fn store_run(
+    ops: &StoreOps,
+    (op, hot, run): (Op, bool, usize),
+    hints: &std::sync::Arc<tally::cast::Hints>,
+    secs: Duration,
+    round: u32,
+) -> Measured {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
     use tally::domain::{TargetId, UserId};
@@ -467,12 +517,13 @@ async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let (ops, unknown, conflicts) = (ops.clone(), unknown.clone(), conflicts.clone());
+        let hints = hints.clone();
         tasks.push(tokio::spawn(async move {
             let mut rng = Zipf::new(1, 1.0, w + 1 + u64::from(round) * 1_000);
             let mut h = histogram();
             let mut n = 0u64;
             while std::time::Instant::now() < deadline {
-                let user = format!("u{}", rng.below(20_000));
+                let user = format!("r{run}u{}", rng.below(20_000));
                 let target = if hot && rng.uniform() < 0.9 {
                     "viral".to_owned()
                 } else {
@@ -504,7 +555,11 @@ async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32
                             _ => Cas::Unknown(anyhow::anyhow!("bare LWT")),
                         }
                     }
-                    Op::ReadThenWrite | Op::Vote | Op::VoteBatchOnly | Op::ReadThenVote => {
+                    Op::ReadThenWrite
+                    | Op::Vote
+                    | Op::VoteBatchOnly
+                    | Op::VoteNoOutbox
+                    | Op::ReadThenVote => {
                         let (user, target) = match (UserId::parse(&user), TargetId::parse(&target))
                         {
                             (Ok(u), Ok(t)) => (u, t),
@@ -517,10 +572,18 @@ async fn store_run(ops: &StoreOps, op: Op, hot: bool, secs: Duration, round: u32
                                 vote_after_read(&ops.store, &user, &target, k).await
                             }
                             Op::Vote => {
-                                lwt_vote_optimistic(&ops.store, &user, &target, k, None, true).await
+                                let part = OutboxPart::Whole;
+                                lwt_vote_optimistic(&ops.store, &user, &target, k, &hints, part)
+                                    .await
+                            }
+                            Op::VoteBatchOnly => {
+                                let part = OutboxPart::Record;
+                                lwt_vote_optimistic(&ops.store, &user, &target, k, &hints, part)
+                                    .await
                             }
                             _ => {
-                                lwt_vote_optimistic(&ops.store, &user, &target, k, None, false)
+                                let part = OutboxPart::Nothing;
+                                lwt_vote_optimistic(&ops.store, &user, &target, k, &hints, part)
                                     .await
                             }
                         }

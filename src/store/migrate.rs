@@ -34,6 +34,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!("0003_reconcile"),
     migration!("0004_outbox"),
     migration!("0005_stats_buckets"),
+    migration!("0006_intent_shard"),
     #[cfg(feature = "third-reaction")]
     migration!("feature/9001_love"),
 ];

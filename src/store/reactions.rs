@@ -12,16 +12,18 @@ use scylla::statement::prepared::PreparedStatement;
 use scylla::value::CqlTimestamp;
 use uuid::Uuid;
 
+use super::outbox::{Slot, shard_of};
 use super::{Cas, StoreError};
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
 /// The types of an idempotency record's columns (request_hash,
-/// request_owner, response_status, response_body, transition, intent_bucket),
+/// request_owner, response_status, response_body, transition, intent_bucket,
+/// intent_shard),
 /// after the types of any columns a query reads before them: rows are flat
 /// tuples, and this keeps the record's part declared once.
 macro_rules! record_columns {
     ($($before:ty),*) => {
-        ($($before,)* Option<String>, Option<Uuid>, Option<i32>, Option<String>, Option<String>, Option<i64>)
+        ($($before,)* Option<String>, Option<Uuid>, Option<i32>, Option<String>, Option<String>, Option<i64>, Option<i32>)
     };
 }
 
@@ -53,6 +55,19 @@ pub struct KeyRecord {
     pub transition: Option<String>,
     /// The time bucket of the vote's outbox intent, when it wrote one.
     pub intent_bucket: Option<i64>,
+    /// The shard of that bucket the intent went to; `None` in a record
+    /// written before intents were grouped, whose intent is in its user's.
+    pub intent_shard: Option<i32>,
+}
+
+impl KeyRecord {
+    /// Where the intent of this record's vote is, if it wrote one.
+    pub fn intent_slot(&self, user: &UserId) -> Option<Slot> {
+        Some(Slot {
+            bucket: self.intent_bucket?,
+            shard: self.intent_shard.unwrap_or_else(|| shard_of(user)),
+        })
+    }
 }
 
 /// What a conditional write of the user's partition did. A refusal carries
@@ -119,8 +134,8 @@ impl Reactions {
         levels: super::Levels,
     ) -> anyhow::Result<Reactions> {
         const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, \
-             response_status, response_body, transition, intent_bucket FROM reactions \
-             WHERE user_id = ? AND target_id IN (?, ?)";
+             response_status, response_body, transition, intent_bucket, intent_shard \
+             FROM reactions WHERE user_id = ? AND target_id IN (?, ?)";
         let snapshot = session
             .prepare(SNAPSHOT)
             .await
@@ -135,7 +150,7 @@ impl Reactions {
         let mut record_serial = session
             .prepare(
                 "SELECT request_hash, request_owner, response_status, response_body, transition, \
-                 intent_bucket FROM reactions WHERE user_id = ? AND target_id = ?",
+                 intent_bucket, intent_shard FROM reactions WHERE user_id = ? AND target_id = ?",
             )
             .await
             .context("prepare serial record")?;
@@ -175,8 +190,8 @@ impl Reactions {
         let record_only = session
             .prepare(
                 "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, \
-                 response_status, response_body, transition, intent_bucket) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+                 response_status, response_body, transition, intent_bucket, intent_shard) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
             )
             .await
             .context("prepare idempotency record")?;
@@ -354,6 +369,7 @@ impl Reactions {
             r.body.as_str(),
             r.transition.as_deref(),
             r.intent_bucket,
+            r.intent_shard,
             self.key_ttl_secs,
         )
     }
@@ -448,9 +464,9 @@ fn fold_rows(
     rows: impl IntoIterator<Item = SnapshotRow>,
 ) -> Result<Snapshot, StoreError> {
     let mut snap = Snapshot::default();
-    for (clustering, state, version, hash, owner, status, body, transition, bucket) in rows {
+    for (clustering, state, version, hash, owner, status, body, transition, bucket, shard) in rows {
         if clustering == key_row {
-            snap.record = key_record((hash, owner, status, body, transition, bucket))?;
+            snap.record = key_record((hash, owner, status, body, transition, bucket, shard))?;
         } else if let (Some(state), Some(version)) = (state, version) {
             let state = state
                 .parse()
@@ -520,6 +536,7 @@ fn refused_rows(
         "response_body",
         "transition",
         "intent_bucket",
+        "intent_shard",
     ]
     .map(at);
     let mut out = Vec::new();
@@ -550,6 +567,7 @@ fn refused_rows(
             text(6),
             text(7),
             value(8).and_then(|v| v.as_bigint()),
+            value(9).and_then(|v| v.as_int()),
         ));
     }
     Ok(Some(out))
@@ -557,7 +575,7 @@ fn refused_rows(
 
 /// A record from its columns; `None` for a row that is not a whole record.
 fn key_record(
-    (hash, owner, status, body, transition, intent_bucket): RecordRow,
+    (hash, owner, status, body, transition, intent_bucket, intent_shard): RecordRow,
 ) -> Result<Option<KeyRecord>, StoreError> {
     let (Some(request_hash), Some(owner), Some(status), Some(body)) = (hash, owner, status, body)
     else {
@@ -574,6 +592,7 @@ fn key_record(
         body,
         transition,
         intent_bucket,
+        intent_shard,
     }))
 }
 

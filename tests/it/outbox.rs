@@ -243,3 +243,57 @@ async fn a_replay_of_a_vote_that_never_reached_kafka_publishes_it() -> TestResul
     .await;
     counted_and_served(&env, &app, &["replayed"]).await
 }
+
+#[tokio::test]
+async fn racing_votes_records_each_name_the_place_of_their_grouped_intent() -> TestResult {
+    let env = TestEnv::new().await;
+    let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
+    let keys: Vec<String> = (0..48).map(|_| new_key()).collect();
+    let replies = futures::future::join_all(keys.iter().enumerate().map(|(i, key)| {
+        let (user, target) = (format!("g{i}"), format!("t{}", i % 4));
+        let app = &cut_off;
+        async move { app.vote(&user, key, &target, "like").await }
+    }))
+    .await;
+    for reply in &replies {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+
+    // Every intent, and where each record says its intent is.
+    let intents: std::collections::HashSet<(i64, i32, String, String)> = env
+        .session
+        .query_unpaged(
+            "SELECT bucket, shard, user_id, idem_key FROM outbox_intents",
+            (),
+        )
+        .await?
+        .into_rows_result()?
+        .rows::<(i64, i32, String, String)>()?
+        .collect::<Result<_, _>>()?;
+    let records: Vec<(String, String, Option<i64>, Option<i32>)> = env
+        .session
+        .query_unpaged(
+            "SELECT user_id, target_id, intent_bucket, intent_shard FROM reactions",
+            (),
+        )
+        .await?
+        .into_rows_result()?
+        .rows::<(String, String, Option<i64>, Option<i32>)>()?
+        .filter_map(Result::ok)
+        .filter(|(_, clustering, ..)| clustering.starts_with('#'))
+        .collect();
+    assert_eq!(records.len(), 48, "one record per vote");
+    for (user, clustering, bucket, shard) in &records {
+        let (Some(bucket), Some(shard)) = (*bucket, *shard) else {
+            panic!("{user}'s record of a change names no intent");
+        };
+        let key = clustering.trim_start_matches('#').to_owned();
+        assert!(
+            intents.contains(&(bucket, shard, user.clone(), key)),
+            "{user}'s record names ({bucket}, {shard}), where its intent is not"
+        );
+    }
+    // The relay finds them where the records say, and publishes them.
+    let relay = env.spawn_app_with(relaying(&env)).await;
+    counted_and_served(&env, &relay, &["t0", "t1", "t2", "t3"]).await
+}

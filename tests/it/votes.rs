@@ -321,6 +321,7 @@ async fn a_refused_vote_write_returns_the_row_and_the_record_it_was_refused_on()
         body: body.into(),
         transition: None,
         intent_bucket: None,
+        intent_shard: None,
     };
     let write = |expected: Option<Current>, to: Reaction, key: IdempotencyKey, r: KeyRecord| {
         let (store, user, target) = (&store, &user, &target);
