@@ -11,8 +11,11 @@
 //!   scripts/stack.sh up && cargo bench --bench http
 //!
 //! Knobs: TALLY_HTTP_SECS (seconds per step, default 10), TALLY_HTTP_PIN=1
-//! (vegeta on CPU 1 only, `taskset`). Results: stdout (Markdown),
-//! target/tally-bench/http.json and http-latency.svg.
+//! (vegeta on CPU 1 only, `taskset`), TALLY_HTTP_QUICK=1 (only the closed
+//! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
+//! `tally vote` during the closed loops of votes and of pages). Results:
+//! stdout (Markdown), target/tally-bench/http.json, http-latency.svg,
+//! vote-profile.txt and summary-profile.txt.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -96,6 +99,8 @@ struct Results {
 async fn run() -> Results {
     let secs = env_num("TALLY_HTTP_SECS", 10);
     let pinned = std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1");
+    // Only the closed loops of the API: for trying a setting against another.
+    let quick = std::env::var("TALLY_HTTP_QUICK").is_ok_and(|v| v == "1");
     let vegeta = Vegeta::install(pinned);
     let env = bench_env("http", 6).await;
     let group = format!("bench-http-{}", std::process::id());
@@ -152,11 +157,15 @@ async fn run() -> Results {
         ),
         ("read, then the batch (no outbox)", Op::ReadThenWrite, false),
     ];
-    eprintln!("http: store ceilings, 64 in flight, {secs}s each in 3 rounds");
-    results.store = store_runs(&ops, &runs, Duration::from_secs(secs), 3).await;
+    if !quick {
+        eprintln!("http: store ceilings, 64 in flight, {secs}s each in 3 rounds");
+        results.store = store_runs(&ops, &runs, Duration::from_secs(secs), 3).await;
+    }
 
     let mut rng = Zipf::new(1, 1.0, 42);
     eprintln!("http: votes, closed loop, 64 in flight, {}s", secs * 2);
+    // With TALLY_HTTP_PROFILE=1, perf samples `tally vote` meanwhile.
+    let profile = profile_requested().then(|| Profile::start(api.pid(), secs * 2, &dir));
     let votes = vegeta.attack(
         &api,
         &mut Targets::Votes(&tokens, &mut rng),
@@ -164,11 +173,16 @@ async fn run() -> Results {
         secs * 2,
         &dir,
     );
+    if let Some(profile) = profile {
+        profile.report(&dir.join("vote-profile.txt"));
+    }
     let vote_capacity = votes.goodput.max(1.0);
     results.votes_closed = Some(votes);
     results.consumer_drain_secs = drained(&env.kafka, &group, Duration::from_secs(120)).await;
-    eprintln!("http: votes, closed loop from this process (reqwest), 64 in flight, {secs}s");
-    results.votes_closed_in_process = Some(in_process_votes(&api, &tokens, secs).await);
+    if !quick {
+        eprintln!("http: votes, closed loop from this process (reqwest), 64 in flight, {secs}s");
+        results.votes_closed_in_process = Some(in_process_votes(&api, &tokens, secs).await);
+    }
 
     eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
     // With TALLY_HTTP_PROFILE=1, perf samples `tally vote` meanwhile.
@@ -185,6 +199,13 @@ async fn run() -> Results {
     }
     let page_capacity = pages.goodput.max(1.0);
     results.pages_closed = Some(pages);
+    if quick {
+        api.stop();
+        let _ = consumer.kill();
+        let _ = consumer.wait();
+        env.drop_all().await;
+        return results;
+    }
 
     for share in [0.25, 0.5, 0.75, 1.0] {
         let rate = vote_capacity * share;
@@ -558,7 +579,7 @@ struct Profile {
 
 impl Profile {
     fn start(pid: u32, secs: u64, dir: &Path) -> Profile {
-        let data = dir.join("summary-profile.data");
+        let data = dir.join("profile.data");
         let child = Command::new("perf")
             .args(["record", "-F", "499", "-g", "-o"])
             .arg(&data)
@@ -590,7 +611,7 @@ impl Profile {
             .output()
             .unwrap_or_else(|e| panic!("perf report: {e}"));
         let _ = std::fs::write(out, &report.stdout);
-        eprintln!("http: profile of the summary run in {}", out.display());
+        eprintln!("http: profile in {}", out.display());
     }
 }
 
