@@ -398,6 +398,12 @@ impl Caster {
             };
             return Ok(self.after_commit(attempt, user, key, request_id).await);
         }
+        // The request that wrote the record wrote an intent of its own, which
+        // the relay follows; this request's is spare. Unless it is the same
+        // row (both written in one group): then it is the one that counts.
+        if record.intent_slot(user) != Some(intent) {
+            self.after.resolve_later(intent, user, key);
+        }
         if record.request_hash != hash {
             return Err(CastError::KeyReused);
         }
@@ -477,6 +483,9 @@ impl Caster {
             if !self.config.publish_wait.is_zero() {
                 let _ = tokio::time::timeout(self.config.publish_wait, publish_done).await;
             }
+        } else if let Some(slot) = intent {
+            // Nothing to publish: the relay need not look.
+            self.after.resolve_later(slot, user, key);
         }
         Answer {
             status: 200,
@@ -487,6 +496,21 @@ impl Caster {
 }
 
 impl AfterCommit {
+    /// Marks an intent resolved in the background. Every intent left
+    /// unresolved costs the relay a SERIAL read, and under load those add up
+    /// to more than a relay can check.
+    fn resolve_later(self: &Arc<Self>, slot: Slot, user: &UserId, key: &IdempotencyKey) {
+        let (after, user, key) = (self.clone(), user.clone(), key.clone());
+        tokio::spawn(async move {
+            if let Err(e) = after.store.outbox.resolve(slot, &user, &key).await {
+                tracing::debug!(
+                    error = format!("{:#}", anyhow::Error::new(e)),
+                    "intent not marked resolved; the relay will check it"
+                );
+            }
+        });
+    }
+
     /// Offers the transition to Kafka once. If Kafka does not take it, the
     /// vote still stands and the relay publishes it from the outbox.
     async fn publish(

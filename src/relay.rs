@@ -21,9 +21,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::bus::publisher::Publisher;
-use crate::domain::Transition;
+use crate::domain::{Transition, UserId};
 use crate::store::outbox::{Intent, SHARDS, Slot, bucket_at, bucket_start};
 use crate::store::{Store, StoreError};
+use futures::StreamExt;
 
 /// Settings of the relay, part of `tally vote`'s.
 #[derive(clap::Args, Debug, Clone)]
@@ -46,6 +47,9 @@ pub struct RelayConfig {
     #[arg(long = "no-relay", env = "TALLY_NO_RELAY")]
     pub disabled: bool,
 }
+
+/// Intents a relay checks at once.
+const SETTLING: usize = 16;
 
 /// Where every relay resumes; they share one, since each reads every shard.
 const CHECKPOINT: &str = "relay";
@@ -135,21 +139,25 @@ impl Relay {
         for bucket in start..settled {
             let mut unresolved = 0;
             for shard in 0..SHARDS {
-                for intent in self.store.outbox.intents(Slot { bucket, shard }).await? {
-                    if intent.resolved {
-                        continue;
-                    }
-                    match self.settle(&intent).await {
-                        Ok(published) => {
-                            pass.published += u64::from(published);
-                            self.store
-                                .outbox
-                                .resolve(intent.slot, &intent.user, &intent.key)
-                                .await?;
-                        }
-                        Err(e) => {
+                let open: Vec<Intent> = self
+                    .store
+                    .outbox
+                    .intents(Slot { bucket, shard })
+                    .await?
+                    .into_iter()
+                    .filter(|i| !i.resolved)
+                    .collect();
+                // Several at once: after an outage the backlog is every vote
+                // taken meanwhile, and each check waits on a Paxos read.
+                let mut settling = futures::stream::iter(open)
+                    .map(|intent| self.settle_and_resolve(intent))
+                    .buffer_unordered(SETTLING);
+                while let Some(settled) = settling.next().await {
+                    match settled? {
+                        Ok(published) => pass.published += u64::from(published),
+                        Err((user, e)) => {
                             unresolved += 1;
-                            tracing::debug!(user = %intent.user, error = format!("{e:#}"), "intent left for the next pass");
+                            tracing::debug!(user = %user, error = format!("{e:#}"), "intent left for the next pass");
                         }
                     }
                 }
@@ -168,6 +176,25 @@ impl Relay {
                 .await?;
         }
         Ok(pass)
+    }
+
+    /// `settle`, then marks the intent resolved. A failed check leaves the
+    /// intent for the next pass (the inner error); a failed mark fails the
+    /// pass.
+    async fn settle_and_resolve(
+        &self,
+        intent: Intent,
+    ) -> Result<Result<bool, (UserId, anyhow::Error)>, StoreError> {
+        match self.settle(&intent).await {
+            Ok(published) => {
+                self.store
+                    .outbox
+                    .resolve(intent.slot, &intent.user, &intent.key)
+                    .await?;
+                Ok(Ok(published))
+            }
+            Err(e) => Ok(Err((intent.user, e))),
+        }
     }
 
     /// Makes sure one intent's transition, if it committed one, is published

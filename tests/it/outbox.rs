@@ -297,3 +297,42 @@ async fn racing_votes_records_each_name_the_place_of_their_grouped_intent() -> T
     let relay = env.spawn_app_with(relaying(&env)).await;
     counted_and_served(&env, &relay, &["t0", "t1", "t2", "t3"]).await
 }
+
+#[tokio::test]
+async fn votes_that_leave_nothing_to_publish_mark_their_intents_so_the_relay_skips_them()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let key = new_key();
+    let first = app.vote("nico", &key, "quiet", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let again = app.vote("nico", new_key(), "quiet", "like").await;
+    assert_eq!(
+        again.status, 200,
+        "a vote for the state held: {}",
+        again.body
+    );
+    let replay = app.vote("nico", &key, "quiet", "like").await;
+    assert_eq!(replay.status, 200, "a replay: {}", replay.body);
+    let reused = app.vote("nico", &key, "quiet", "dislike").await;
+    assert_eq!(reused.status, 422, "a reused key: {}", reused.body);
+
+    // Four requests, four intents: the change's is marked once Kafka has the
+    // transition, the others as soon as their answers are known.
+    eventually("every intent marked", Duration::from_secs(30), || async {
+        let rows: Vec<(String, Option<bool>)> = env
+            .session
+            .query_unpaged("SELECT idem_key, resolved FROM outbox_intents", ())
+            .await
+            .ok()?
+            .into_rows_result()
+            .ok()?
+            .rows::<(String, Option<bool>)>()
+            .ok()?
+            .filter_map(Result::ok)
+            .collect();
+        (rows.len() == 4 && rows.iter().all(|(_, r)| *r == Some(true))).then_some(())
+    })
+    .await;
+    Ok(())
+}
