@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use support::{Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, env_num, store_runs};
 
-const SECRET: &str = "bench-secret-0123";
+const SECRET: &str = "bench-secret-of-32-bytes-or-more-0123";
 const VOTERS: u64 = 5_000;
 const VOTE_TARGETS: u64 = 10_000;
 const READERS: u64 = 2_000;

@@ -12,6 +12,9 @@ cd "$ROOT"
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tally-target}
 export TALLY_JWT_SECRET=${TALLY_JWT_SECRET:-dev-secret-change-me}
+# The development secret is short; tally refuses an HS256 secret under 32
+# bytes unless told this is a developer's machine.
+export TALLY_INSECURE_DEV_SECRET=${TALLY_INSECURE_DEV_SECRET:-true}
 export TALLY_LISTEN=${TALLY_LISTEN:-127.0.0.1:8080}
 
 scripts/stack.sh up

@@ -38,7 +38,7 @@ pub fn mint(
         exp: (now + ttl).as_secs(),
         nbf: None,
         iss: config.issuer.clone(),
-        aud: config.audience.clone(),
+        aud: config.audience.clone().map(super::Audience::One),
         roles,
     };
     jsonwebtoken::encode(&Header::new(config.algorithm.algorithm()), &claims, &key)

@@ -41,8 +41,8 @@ impl std::str::FromStr for Secret {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.len() < 8 {
-            return Err("the JWT secret must be at least 8 bytes".into());
+        if s.is_empty() {
+            return Err("the JWT secret is empty".into());
         }
         Ok(Secret(s.to_owned()))
     }
@@ -68,6 +68,10 @@ impl JwtAlgorithm {
     }
 }
 
+/// The shortest HS256 secret accepted: 256 bits, the size of the HMAC's
+/// hash (RFC 7518, section 3.2).
+pub const MIN_SECRET: usize = 32;
+
 /// How tokens are checked (and, for `tally token`, made).
 #[derive(clap::Args, Debug, Clone)]
 pub struct AuthConfig {
@@ -75,9 +79,15 @@ pub struct AuthConfig {
     #[arg(long = "jwt-algorithm", env = "TALLY_JWT_ALGORITHM", value_enum, default_value_t = JwtAlgorithm::Hs256)]
     pub algorithm: JwtAlgorithm,
 
-    /// HS256 shared secret (at least 8 bytes). Never printed.
+    /// HS256 shared secret, at least 32 bytes. Never printed.
     #[arg(long = "jwt-secret", env = "TALLY_JWT_SECRET", hide_env_values = true)]
     pub secret: Option<Secret>,
+
+    /// Accept an HS256 secret shorter than 32 bytes: for local development
+    /// only (`scripts/dev.sh` sets it). A short secret can be brute-forced
+    /// from one token.
+    #[arg(long = "insecure-dev-secret", env = "TALLY_INSECURE_DEV_SECRET")]
+    pub insecure_dev_secret: bool,
 
     /// PEM public key file that verifies RS256/ES256 tokens.
     #[arg(long = "jwt-public-key", env = "TALLY_JWT_PUBLIC_KEY")]
@@ -87,11 +97,13 @@ pub struct AuthConfig {
     #[arg(long = "jwt-private-key", env = "TALLY_JWT_PRIVATE_KEY")]
     pub private_key: Option<PathBuf>,
 
-    /// Required `iss` claim, if set.
+    /// Required `iss` claim. Required with RS256/ES256, whose tokens come
+    /// from an identity provider that serves other audiences too.
     #[arg(long = "jwt-issuer", env = "TALLY_JWT_ISSUER")]
     pub issuer: Option<String>,
 
-    /// Required `aud` claim, if set.
+    /// Required `aud` claim (a token's `aud` may be a string or an array
+    /// that contains it). Required with RS256/ES256.
     #[arg(long = "jwt-audience", env = "TALLY_JWT_AUDIENCE")]
     pub audience: Option<String>,
 }
@@ -101,6 +113,7 @@ impl AuthConfig {
         AuthConfig {
             algorithm: JwtAlgorithm::Hs256,
             secret: Some(Secret::new(secret)),
+            insecure_dev_secret: false,
             public_key: None,
             private_key: None,
             issuer: None,
@@ -108,13 +121,24 @@ impl AuthConfig {
         }
     }
 
-    /// The HS256 shared secret, which both verifying and signing need.
+    /// The HS256 shared secret, which both verifying and signing need. One
+    /// shorter than `MIN_SECRET` bytes is refused unless
+    /// `--insecure-dev-secret` says this is a developer's machine.
     fn hs256_secret(&self) -> anyhow::Result<&[u8]> {
         let secret = self
             .secret
             .as_ref()
-            .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?;
-        Ok(secret.expose().as_bytes())
+            .context("HS256 needs --jwt-secret (TALLY_JWT_SECRET)")?
+            .expose()
+            .as_bytes();
+        if secret.len() < MIN_SECRET && !self.insecure_dev_secret {
+            anyhow::bail!(
+                "the HS256 secret (--jwt-secret, TALLY_JWT_SECRET) is {} bytes; it must be at \
+                 least {MIN_SECRET} (for local development only: --insecure-dev-secret)",
+                secret.len()
+            );
+        }
+        Ok(secret)
     }
 }
 
@@ -128,10 +152,18 @@ pub struct Claims {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iss: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub aud: Option<String>,
+    pub aud: Option<Audience>,
     /// Roles; `admin` may run the online reconcile.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub roles: Vec<String>,
+}
+
+/// A token's `aud`: one audience, or several (RFC 7519, section 4.1.3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Audience {
+    One(String),
+    Many(Vec<String>),
 }
 
 /// An authenticated caller.

@@ -14,6 +14,25 @@ pub struct Verifier {
 
 impl Verifier {
     pub fn from_config(config: &AuthConfig) -> anyhow::Result<Verifier> {
+        match (config.algorithm, &config.issuer, &config.audience) {
+            (JwtAlgorithm::Hs256, None, _) | (JwtAlgorithm::Hs256, _, None) => {
+                tracing::warn!(
+                    "tokens are accepted without an `iss` or `aud` check: a token this secret \
+                     signed for another service would be taken here; set --jwt-issuer and \
+                     --jwt-audience"
+                );
+            }
+            (alg, None, _) | (alg, _, None) => anyhow::bail!(
+                "{alg:?} tokens come from an identity provider that signs for other services \
+                 too: set --jwt-issuer and --jwt-audience (TALLY_JWT_ISSUER, TALLY_JWT_AUDIENCE)"
+            ),
+            _ => {}
+        }
+        if config.insecure_dev_secret {
+            tracing::warn!(
+                "--insecure-dev-secret: a short HS256 secret is accepted; never in production"
+            );
+        }
         let key = match config.algorithm {
             JwtAlgorithm::Hs256 => DecodingKey::from_secret(config.hs256_secret()?),
             alg => {
@@ -87,7 +106,7 @@ mod tests {
     use super::*;
     use crate::auth::mint;
 
-    const SECRET: &str = "unit-test-secret";
+    const SECRET: &str = "unit-test-secret-of-32-bytes-or-more";
 
     fn verifier() -> Verifier {
         Verifier::from_config(&AuthConfig::hs256(SECRET)).unwrap_or_else(|e| panic!("{e:#}"))
@@ -112,7 +131,7 @@ mod tests {
     #[test]
     fn a_token_signed_with_another_secret_is_refused() {
         let token = mint(
-            &AuthConfig::hs256("another-secret"),
+            &AuthConfig::hs256("another-secret-of-32-bytes-or-more"),
             "alice",
             Duration::from_secs(60),
             vec![],
@@ -163,11 +182,14 @@ mod tests {
             algorithm: JwtAlgorithm::Rs256,
             secret: None,
             public_key: Some(path.clone()),
-            ..AuthConfig::hs256("unused-secret")
+            issuer: Some("https://id.example".into()),
+            audience: Some("tally".into()),
+            ..AuthConfig::hs256(SECRET)
         };
         let verifier = Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"));
         let _ = std::fs::remove_file(&path);
-        let claims = serde_json::json!({"sub": "alice", "exp": 99_999_999_999u64});
+        let claims = serde_json::json!({"sub": "alice", "exp": 99_999_999_999u64,
+            "iss": "https://id.example", "aud": "tally"});
         let forged = jsonwebtoken::encode(
             &Header::new(Algorithm::HS256),
             &claims,
@@ -215,6 +237,103 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    fn signed(claims: &serde_json::Value) -> String {
+        jsonwebtoken::encode(
+            &Header::default(),
+            claims,
+            &EncodingKey::from_secret(SECRET.as_bytes()),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn with_audience() -> Verifier {
+        let config = AuthConfig {
+            issuer: Some("https://id.example".into()),
+            audience: Some("tally".into()),
+            ..AuthConfig::hs256(SECRET)
+        };
+        Verifier::from_config(&config).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    #[test]
+    fn an_audience_may_be_an_array_that_names_ours() {
+        let exp = 99_999_999_999u64;
+        let iss = "https://id.example";
+        let ours = signed(&serde_json::json!({"sub": "a", "exp": exp, "iss": iss,
+            "aud": ["billing", "tally"]}));
+        assert_eq!(
+            with_audience()
+                .verify(&ours)
+                .map(|c| c.user.as_str().to_owned())
+                .ok(),
+            Some("a".to_owned())
+        );
+        let theirs = signed(&serde_json::json!({"sub": "a", "exp": exp, "iss": iss,
+            "aud": ["billing", "search"]}));
+        assert!(matches!(
+            with_audience().verify(&theirs),
+            Err(AuthError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn an_admin_of_another_audience_is_refused() {
+        let foreign = signed(&serde_json::json!({"sub": "a", "exp": 99_999_999_999u64,
+            "iss": "https://id.example", "aud": "billing", "roles": ["admin"]}));
+        assert!(matches!(
+            with_audience().verify(&foreign),
+            Err(AuthError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn a_short_hs256_secret_is_refused_at_start_unless_declared_for_development() {
+        let short = AuthConfig::hs256("only-24-bytes-of-secret!");
+        let refused = Verifier::from_config(&short)
+            .err()
+            .map(|e| format!("{e:#}"));
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|e| e.contains("24 bytes") && e.contains("at least 32")),
+            "{refused:?}"
+        );
+        let dev = AuthConfig {
+            insecure_dev_secret: true,
+            ..short
+        };
+        assert!(Verifier::from_config(&dev).is_ok());
+        assert!(mint(&dev, "alice", Duration::from_secs(60), vec![]).is_ok());
+    }
+
+    #[test]
+    fn public_key_tokens_need_an_issuer_and_an_audience() {
+        let pem = include_bytes!("test_rsa.pub.pem");
+        let path = std::env::temp_dir().join(format!("tally-rs256-iss-{}.pem", std::process::id()));
+        std::fs::write(&path, pem).unwrap_or_else(|e| panic!("{e}"));
+        let open = AuthConfig {
+            algorithm: JwtAlgorithm::Rs256,
+            secret: None,
+            public_key: Some(path.clone()),
+            ..AuthConfig::hs256(SECRET)
+        };
+        let refused = Verifier::from_config(&open).err().map(|e| format!("{e:#}"));
+        let pinned = AuthConfig {
+            issuer: Some("https://id.example".into()),
+            audience: Some("tally".into()),
+            ..open
+        };
+        let accepted = Verifier::from_config(&pinned).is_ok();
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|e| e.contains("--jwt-audience")),
+            "{refused:?}"
+        );
+        assert!(accepted);
     }
 
     /// Unpadded URL-safe base64, enough to forge a header in a test.

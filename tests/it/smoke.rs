@@ -139,3 +139,24 @@ fn tally_help_lists_every_subcommand() {
         assert!(help.contains(sub), "--help does not list {sub}:\n{help}");
     }
 }
+
+#[test]
+fn a_short_hs256_secret_stops_tally_vote_at_start_with_the_reason() {
+    for sub in [&["vote"][..], &["token", "--sub", "alice"][..]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(sub)
+            .env("TALLY_JWT_SECRET", "dev-secret-change-me")
+            .env_remove("TALLY_INSECURE_DEV_SECRET")
+            .env("TALLY_LISTEN", "127.0.0.1:0")
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "tally {sub:?} started: {stderr}");
+        assert!(
+            stderr.contains("20 bytes") && stderr.contains("at least 32"),
+            "tally {sub:?}: {stderr}"
+        );
+        assert!(!stderr.contains("dev-secret-change-me"), "the secret printed");
+    }
+}

@@ -33,7 +33,7 @@ pub use rng::{Rng, Zipf};
 pub use servers::{PrivateRedis, Proc, free_port, signal};
 pub use truth::{Tallies, Tally};
 
-pub const JWT_SECRET: &str = "integration-test-secret";
+pub const JWT_SECRET: &str = "integration-test-secret-of-32-bytes-or-more";
 
 /// What a test returns: a failing step is an error with its cause, and the
 /// test reads as the scenario it checks.
