@@ -229,7 +229,7 @@ async fn consumer_section(results: &mut Results) {
 
 // ---------------------------------------------------------------- e2e
 
-const SECRET: &str = "bench-secret-0123";
+const SECRET: &str = "bench-secret-of-32-bytes-or-more-0123";
 
 async fn e2e_section(results: &mut Results) {
     let secs = env_num("TALLY_BENCH_E2E_SECS", 10);
