@@ -157,6 +157,9 @@ fn a_short_hs256_secret_stops_tally_vote_at_start_with_the_reason() {
             stderr.contains("20 bytes") && stderr.contains("at least 32"),
             "tally {sub:?}: {stderr}"
         );
-        assert!(!stderr.contains("dev-secret-change-me"), "the secret printed");
+        assert!(
+            !stderr.contains("dev-secret-change-me"),
+            "the secret printed"
+        );
     }
 }
