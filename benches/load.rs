@@ -358,6 +358,7 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         max_in_flight: 4096,
         min_in_flight: 4,
         slow_request: Duration::from_millis(500),
+        body_timeout: Duration::from_secs(5),
         admission_target: Duration::from_secs(60),
         admission_queue_wait: Duration::from_millis(50),
         consumer_group: format!("bench-e2e-{}", std::process::id()),

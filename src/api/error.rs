@@ -25,6 +25,8 @@ pub enum ApiError {
     TooLarge(usize),
     #[error("the request body must be application/json")]
     UnsupportedMediaType,
+    #[error("the request body did not arrive within {} s; nothing was changed", .0.as_secs_f64())]
+    BodyTimeout(std::time::Duration),
     #[error("this Idempotency-Key was already used for a different request")]
     KeyReused,
     #[error("too many concurrent changes to this user's reactions; retry")]
@@ -60,6 +62,7 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
             ApiError::TooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType => "unsupported_media_type",
+            ApiError::BodyTimeout(_) => "body_timeout",
             ApiError::KeyReused => "idempotency_key_reused",
             ApiError::Contention => "contention",
             ApiError::RateLimited(_) => "rate_limited",
@@ -97,6 +100,7 @@ impl ResponseError for ApiError {
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Contention => StatusCode::CONFLICT,
             ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,

@@ -93,6 +93,13 @@ pub struct ApiConfig {
     #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub slow_request: Duration,
 
+    /// How long a client may take to send a request's headers, and then a
+    /// vote's body. A vote's body is read whole before the vote is admitted,
+    /// so a client that trickles it holds no place meant for the others; it
+    /// gets 408 when this runs out.
+    #[arg(long = "body-timeout", env = "TALLY_BODY_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub body_timeout: Duration,
+
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
     #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
     pub consumer_group: String,
@@ -118,6 +125,8 @@ pub struct AppState {
     pub summaries: Arc<admission::Admission>,
     /// Requests slower than this are always in the access log.
     pub slow_request: Duration,
+    /// How long a vote's body may take to arrive.
+    pub body_timeout: Duration,
 }
 
 /// The id of one HTTP request: the caller's `X-Request-Id` if it sent a sane
@@ -189,6 +198,7 @@ impl Application {
             votes: admission::Admission::new("vote", admission),
             summaries: admission::Admission::new("summary", admission),
             slow_request: config.slow_request,
+            body_timeout: config.body_timeout,
         });
 
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
@@ -207,6 +217,7 @@ impl Application {
                 .app_data(readiness.clone())
                 .app_data(metrics.clone())
                 .wrap(from_fn(admit))
+                .wrap(from_fn(read_body))
                 .wrap(from_fn(observe))
                 .service(
                     web::resource("/v1/votes")
@@ -230,6 +241,7 @@ impl Application {
                 .default_service(web::to(not_found))
         })
         .workers(config.workers.max(1))
+        .client_request_timeout(config.body_timeout)
         .shutdown_timeout(10)
         .listen(listener)?
         .run();
@@ -313,6 +325,52 @@ async fn admit(
     next.call(req)
         .await
         .map(ServiceResponse::map_into_left_body)
+}
+
+/// Reads a vote's body whole, within `--body-timeout` and `MAX_BODY`, before
+/// admission: a client that sends its body slowly (or never) then waits on
+/// its own connection, not in a place the admission limit keeps for work,
+/// and is answered 408 when its time is up.
+async fn read_body(
+    mut req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    if (req.method().as_str(), req.path()) != ("POST", "/v1/votes") {
+        return next
+            .call(req)
+            .await
+            .map(ServiceResponse::map_into_left_body);
+    }
+    let deadline = req
+        .app_data::<web::Data<AppState>>()
+        .map_or(Duration::from_secs(5), |s| s.body_timeout);
+    let declared = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let read = match declared {
+        Some(n) if n > votes::MAX_BODY => Err(ApiError::TooLarge(votes::MAX_BODY)),
+        _ => {
+            let payload = req.take_payload();
+            match tokio::time::timeout(deadline, votes::read_capped(payload)).await {
+                Ok(read) => read,
+                Err(_) => Err(ApiError::BodyTimeout(deadline)),
+            }
+        }
+    };
+    match read {
+        Ok(body) => {
+            req.set_payload(actix_web::dev::Payload::from(body));
+            next.call(req)
+                .await
+                .map(ServiceResponse::map_into_left_body)
+        }
+        Err(e) => {
+            let refused = actix_web::ResponseError::error_response(&e);
+            Ok(req.into_response(refused).map_into_right_body())
+        }
+    }
 }
 
 /// A request's admission permit, in its extensions until it ends (or, for a

@@ -116,15 +116,10 @@ fn is_json(headers: &HeaderMap) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-async fn parse_vote(headers: &HeaderMap, mut payload: web::Payload) -> Result<Vote, ApiError> {
-    if !is_json(headers) {
-        return Err(ApiError::UnsupportedMediaType);
-    }
-    let declared =
-        header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY) {
-        return Err(ApiError::TooLarge(MAX_BODY));
-    }
+/// A body, read whole, or 413 as soon as it passes `MAX_BODY`.
+pub(super) async fn read_capped(
+    mut payload: actix_web::dev::Payload,
+) -> Result<web::Bytes, ApiError> {
     let mut body = web::BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(|e| {
@@ -135,6 +130,19 @@ async fn parse_vote(headers: &HeaderMap, mut payload: web::Payload) -> Result<Vo
         }
         body.extend_from_slice(&chunk);
     }
+    Ok(body.freeze())
+}
+
+async fn parse_vote(headers: &HeaderMap, payload: web::Payload) -> Result<Vote, ApiError> {
+    if !is_json(headers) {
+        return Err(ApiError::UnsupportedMediaType);
+    }
+    let declared =
+        header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY) {
+        return Err(ApiError::TooLarge(MAX_BODY));
+    }
+    let body = read_capped(payload.into_inner()).await?;
     let raw: VoteBody = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request("malformed_json", format!("invalid JSON body: {e}")))?;
     Ok(Vote {

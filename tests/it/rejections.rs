@@ -1,7 +1,7 @@
 //! Everything a client can get wrong: a clear 4xx JSON error, nothing
 //! written, nothing published. And no token but a valid one lets anyone in.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::{EncodingKey, Header};
 use serde_json::json;
@@ -451,7 +451,7 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() -> TestResult {
     let doc = reply.json();
     assert_eq!(doc["openapi"], "3.1.0");
     for status in [
-        "200", "400", "401", "405", "409", "413", "415", "422", "429", "503",
+        "200", "400", "401", "405", "408", "409", "413", "415", "422", "429", "503",
     ] {
         assert!(
             doc["paths"]["/v1/votes"]["post"]["responses"][status].is_object(),
@@ -584,5 +584,73 @@ async fn votes_above_the_admission_limit_get_503_with_retry_after_and_change_not
             "{user}: {mine}"
         );
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() -> TestResult {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        max_in_flight: 2,
+        min_in_flight: 2,
+        body_timeout: Duration::from_secs(2),
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let addr = app.address.trim_start_matches("http://").to_owned();
+
+    // 50 clients send their headers, then a byte of an 80-byte body every
+    // 300 ms: without a deadline they would take 24 s each.
+    let mut trickling = Vec::new();
+    for i in 0..50 {
+        let (addr, token) = (addr.clone(), token(&format!("loris{i}")));
+        trickling.push(tokio::spawn(async move {
+            let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+            let head = format!(
+                "POST /v1/votes HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+                 Idempotency-Key: {}\r\nContent-Type: application/json\r\n\
+                 Content-Length: 80\r\n\r\n",
+                new_key()
+            );
+            conn.write_all(head.as_bytes()).await?;
+            let (mut rx, mut tx) = conn.into_split();
+            let writer = tokio::spawn(async move {
+                for _ in 0..80 {
+                    if tx.write_all(b" ").await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            });
+            let mut answer = vec![0u8; 512];
+            let n = tokio::time::timeout(Duration::from_secs(15), rx.read(&mut answer))
+                .await
+                .map_err(|_| anyhow::anyhow!("no answer in 15 s"))??;
+            writer.abort();
+            anyhow::Ok(String::from_utf8_lossy(&answer[..n]).into_owned())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Meanwhile another user's votes go through, one after another.
+    for (i, action) in ["like", "dislike", "none", "like", "dislike"]
+        .iter()
+        .enumerate()
+    {
+        let reply = app.vote("bystander", new_key(), "video_open", action).await;
+        assert_eq!(reply.status, 200, "vote {i}: {}", reply.body);
+    }
+
+    for t in trickling {
+        let answer = t.await??;
+        assert!(
+            answer.starts_with("HTTP/1.1 408") && answer.contains("body_timeout"),
+            "{answer}"
+        );
+    }
+    let served = app.summary("bystander", "video_open").await.json();
+    assert_eq!(served["items"]["video_open"]["dislikes"], 1, "{served}");
+    assert_eq!(served["items"]["video_open"]["user_state"], "dislike");
     Ok(())
 }

@@ -26,6 +26,7 @@ impl TestEnv {
             max_in_flight: 1024,
             min_in_flight: 4,
             slow_request: Duration::from_millis(500),
+            body_timeout: Duration::from_secs(5),
             // Debug builds on a busy machine are slow; tests that race many
             // requests must not be refused for it. The admission test sets
             // its own limit.
