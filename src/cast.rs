@@ -415,6 +415,32 @@ impl Caster {
         })
     }
 
+    /// The stored answer to `key`, when a vote with it committed and this is
+    /// the same request again: what a retry gets while its user is over the
+    /// rate limit. One read at LOCAL_QUORUM; `None` on no record, another
+    /// request's, or a failed read (the caller answers 429 then).
+    pub async fn recorded(
+        &self,
+        user: &UserId,
+        key: &IdempotencyKey,
+        vote: &Vote,
+        request_id: &str,
+    ) -> Option<Answer> {
+        let snap = self
+            .store
+            .reactions
+            .snapshot(user, &vote.target_id, key, false)
+            .await
+            .ok()?;
+        let record = snap.record.filter(|r| r.request_hash == vote.hash())?;
+        self.after.republish(&record, user, key, request_id);
+        Some(Answer {
+            status: record.status,
+            body: record.body,
+            replayed: true,
+        })
+    }
+
     /// After a conditional write whose outcome is unknown, reads at SERIAL
     /// until the read answers or the vote's deadline passes. A SERIAL read
     /// completes any Paxos round in flight, so its answer is final; it fails

@@ -33,12 +33,21 @@ pub async fn cast(
     payload: web::Payload,
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
-    state
-        .limiter
-        .check(&caller.user)
-        .map_err(ApiError::RateLimited)?;
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;
+    if let Err(wait) = state.limiter.check(&caller.user) {
+        // A retry of a vote that already committed still gets its answer:
+        // the limit is on new votes, not on learning what happened to one.
+        // One read, and only for a user who is over the limit.
+        return match state
+            .caster
+            .recorded(&caller.user, &key, &vote, &request_id.0)
+            .await
+        {
+            Some(answer) => respond(answer),
+            None => Err(ApiError::RateLimited(wait)),
+        };
+    }
     // The vote runs in a task of its own: a client that hangs up (actix
     // then drops this handler) cannot stop it between a conditional write
     // whose outcome is unknown and the SERIAL read that learns it. The
@@ -60,6 +69,11 @@ pub async fn cast(
         .map_err(|e| {
             ApiError::OutcomeUnknown(anyhow::Error::new(e).context("the vote's task failed"))
         })??;
+    respond(answer)
+}
+
+/// The HTTP answer to a vote, marked when it is a stored one given again.
+fn respond(answer: crate::cast::Answer) -> Result<HttpResponse, ApiError> {
     let status = StatusCode::from_u16(answer.status).map_err(|e| {
         ApiError::Unavailable(anyhow::Error::new(e).context("a stored answer has a bad status"))
     })?;

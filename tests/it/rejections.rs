@@ -654,3 +654,41 @@ async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() 
     assert_eq!(served["items"]["video_open"]["user_state"], "dislike");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_retry_of_a_committed_vote_gets_its_answer_while_its_user_is_rate_limited() -> TestResult
+{
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        user_rate: 0.01,
+        user_burst: 1,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let key = new_key();
+    let first = app.vote("hasty", &key, "video_once", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+
+    // Over the limit now: a new vote is refused...
+    let new = app.vote("hasty", new_key(), "video_once", "dislike").await;
+    assert_eq!(new.status, 429, "{}", new.body);
+    // ...but the retry of the one that committed gets its answer,
+    let retry = app.vote("hasty", &key, "video_once", "like").await;
+    assert_eq!(retry.status, 200, "{}", retry.body);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(
+        retry
+            .headers
+            .get("Idempotent-Replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    // ...and the same key with another body is not a retry of it.
+    let other = app.vote("hasty", &key, "video_once", "dislike").await;
+    assert_eq!(other.status, 429, "{}", other.body);
+
+    let served = app.summary("hasty", "video_once").await.json();
+    assert_eq!(served["items"]["video_once"]["likes"], 1, "{served}");
+    assert_eq!(served["items"]["video_once"]["user_state"], "like");
+    Ok(())
+}
