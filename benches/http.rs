@@ -13,7 +13,8 @@
 //! Knobs: TALLY_HTTP_SECS (seconds per step, default 10), TALLY_HTTP_PIN=1
 //! (vegeta on CPU 1 only, `taskset`), TALLY_HTTP_QUICK=1 (only the closed
 //! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
-//! `tally vote` during the closed loops of votes and of pages). Results:
+//! `tally vote` during closed loops of votes and of pages of their own, after
+//! the measured ones). Results:
 //! stdout (Markdown), target/tally-bench/http.json, http-latency.svg,
 //! vote-profile.txt and summary-profile.txt.
 
@@ -164,8 +165,6 @@ async fn run() -> Results {
 
     let mut rng = Zipf::new(1, 1.0, 42);
     eprintln!("http: votes, closed loop, 64 in flight, {}s", secs * 2);
-    // With TALLY_HTTP_PROFILE=1, perf samples `tally vote` meanwhile.
-    let profile = profile_requested().then(|| Profile::start(api.pid(), secs * 2, &dir));
     let votes = vegeta.attack(
         &api,
         &mut Targets::Votes(&tokens, &mut rng),
@@ -173,9 +172,6 @@ async fn run() -> Results {
         secs * 2,
         &dir,
     );
-    if let Some(profile) = profile {
-        profile.report(&dir.join("vote-profile.txt"));
-    }
     let vote_capacity = votes.goodput.max(1.0);
     results.votes_closed = Some(votes);
     if !quick {
@@ -187,8 +183,6 @@ async fn run() -> Results {
     }
 
     eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
-    // With TALLY_HTTP_PROFILE=1, perf samples `tally vote` meanwhile.
-    let profile = profile_requested().then(|| Profile::start(api.pid(), secs, &dir));
     let pages = vegeta.attack(
         &api,
         &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
@@ -196,7 +190,27 @@ async fn run() -> Results {
         secs,
         &dir,
     );
-    if let Some(profile) = profile {
+    if profile_requested() {
+        // Closed loops of their own: sampling costs CPU, and the figures
+        // above set the rates of every step after them.
+        eprintln!("http: votes and pages under perf, {secs}s each (not measured)");
+        let profile = Profile::start(api.pid(), secs, &dir);
+        let _ = vegeta.attack(
+            &api,
+            &mut Targets::Votes(&tokens, &mut rng),
+            Load::Closed(64),
+            secs,
+            &dir,
+        );
+        profile.report(&dir.join("vote-profile.txt"));
+        let profile = Profile::start(api.pid(), secs, &dir);
+        let _ = vegeta.attack(
+            &api,
+            &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
+            Load::Closed(32),
+            secs,
+            &dir,
+        );
         profile.report(&dir.join("summary-profile.txt"));
     }
     let page_capacity = pages.goodput.max(1.0);

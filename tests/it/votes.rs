@@ -157,13 +157,7 @@ async fn a_replayed_key_returns_the_identical_body_and_publishes_nothing() -> Te
     assert!(first.headers.get("Idempotent-Replayed").is_none());
     assert_eq!(again.status, 200);
     assert_eq!(again.body, first.body, "a replay is byte-identical");
-    assert_eq!(
-        again
-            .headers
-            .get("Idempotent-Replayed")
-            .map(|v| v.as_bytes()),
-        Some(&b"true"[..])
-    );
+    assert!(again.replayed(), "{:?}", again.headers);
     assert_eq!(published, 1);
     assert_eq!(env.published(), after_erin, "the replay published nothing");
     assert_eq!(

@@ -85,6 +85,13 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Whether this is a stored answer given again (`Idempotent-Replayed: true`).
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("Idempotent-Replayed")
+            .is_some_and(|v| v.as_bytes() == b"true")
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }
