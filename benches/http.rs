@@ -303,6 +303,8 @@ impl Api {
             .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
             .env("TALLY_USER_RATE", "10000")
             .env("TALLY_USER_BURST", "10000")
+            .env("TALLY_USER_READ_RATE", "10000")
+            .env("TALLY_USER_READ_BURST", "10000")
             .env("TALLY_CONSUMER_GROUP", group)
             .env("TALLY_LOG_FORMAT", "json")
             .env("RUST_LOG", "warn");

@@ -355,6 +355,8 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         publish_wait: Duration::from_millis(500),
         user_rate: 1000.0,
         user_burst: 1000,
+        user_read_rate: 10_000.0,
+        user_read_burst: 10_000,
         max_in_flight: 4096,
         min_in_flight: 4,
         slow_request: Duration::from_millis(500),

@@ -14,11 +14,23 @@ use crate::store::StoreError;
 pub struct Counts {
     pub cache: Cache,
     store: Arc<Store>,
+    /// Cassandra reads for cache misses, at most `MISS_READS` at once in
+    /// the process: a flood of misses (a cold cache, a Redis outage, pages
+    /// of never-seen ids) queues here instead of taking every stream the
+    /// driver has, which votes need too.
+    misses: Arc<tokio::sync::Semaphore>,
 }
+
+/// Cache misses read from Cassandra at once, per process.
+pub const MISS_READS: usize = 64;
 
 impl Counts {
     pub fn new(cache: Cache, store: Arc<Store>) -> Counts {
-        Counts { cache, store }
+        Counts {
+            cache,
+            store,
+            misses: Arc::new(tokio::sync::Semaphore::new(MISS_READS)),
+        }
     }
 
     /// Totals for many targets: one Redis round trip, then, per miss, one
@@ -45,7 +57,10 @@ impl Counts {
             match hit {
                 Some(t) => Ok(t),
                 None => {
-                    let heads = self.store.stats.heads(target).await?;
+                    let heads = {
+                        let _turn = self.misses.acquire().await;
+                        self.store.stats.heads(target).await?
+                    };
                     Ok(self
                         .cache
                         .fill(target, &heads)

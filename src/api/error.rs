@@ -33,6 +33,8 @@ pub enum ApiError {
     Contention,
     #[error("too many votes from this user; retry after {} s", .0.as_secs().max(1))]
     RateLimited(std::time::Duration),
+    #[error("too many reads from this user; retry after {} s", .0.as_secs().max(1))]
+    ReadsLimited(std::time::Duration),
     #[error("the service is at capacity; nothing was changed, retry")]
     Overloaded,
     #[error(
@@ -65,7 +67,7 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "body_timeout",
             ApiError::KeyReused => "idempotency_key_reused",
             ApiError::Contention => "contention",
-            ApiError::RateLimited(_) => "rate_limited",
+            ApiError::RateLimited(_) | ApiError::ReadsLimited(_) => "rate_limited",
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::OutcomeUnknown(_) => "outcome_unknown",
@@ -103,7 +105,7 @@ impl ResponseError for ApiError {
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Contention => StatusCode::CONFLICT,
-            ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::RateLimited(_) | ApiError::ReadsLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unavailable(_) | ApiError::OutcomeUnknown(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -143,7 +145,7 @@ impl ResponseError for ApiError {
             ApiError::MethodNotAllowed(allow) => {
                 res.insert_header((header::ALLOW, *allow));
             }
-            ApiError::RateLimited(wait) => {
+            ApiError::RateLimited(wait) | ApiError::ReadsLimited(wait) => {
                 res.insert_header((header::RETRY_AFTER, wait.as_secs().max(1).to_string()));
             }
             _ => {}

@@ -67,6 +67,16 @@ pub struct ApiConfig {
     #[arg(long = "user-burst", env = "TALLY_USER_BURST", default_value_t = 60)]
     pub user_burst: u32,
 
+    /// Summary reads per second each user may make (a token bucket of its
+    /// own; 429 beyond it), so one client's flood of reads cannot crowd out
+    /// the others'.
+    #[arg(long = "user-read-rate", env = "TALLY_USER_READ_RATE", default_value_t = 50.0)]
+    pub user_read_rate: f64,
+
+    /// Burst of summary reads a user may make at once.
+    #[arg(long = "user-read-burst", env = "TALLY_USER_READ_BURST", default_value_t = 100)]
+    pub user_read_burst: u32,
+
     /// The most votes (and, apart, summaries) processed at once. Below it
     /// the admission limit adapts to latency (`--admission-target`); above
     /// the limit requests are answered 503 with Retry-After at once.
@@ -120,6 +130,8 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub reconciler: Reconciler,
     pub limiter: limit::UserLimiter,
+    /// Each user's summary reads, apart from their votes.
+    pub readers: limit::UserLimiter,
     /// Admission of votes and of summaries, each adapting on its own.
     pub votes: Arc<admission::Admission>,
     pub summaries: Arc<admission::Admission>,
@@ -195,6 +207,7 @@ impl Application {
             store,
             reconciler,
             limiter,
+            readers: limit::UserLimiter::new(config.user_read_rate, config.user_read_burst),
             votes: admission::Admission::new("vote", admission),
             summaries: admission::Admission::new("summary", admission),
             slow_request: config.slow_request,

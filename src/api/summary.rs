@@ -31,6 +31,10 @@ pub async fn summary(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let targets = parse_target_ids(req.query_string())?;
+    state
+        .readers
+        .check(&caller.user)
+        .map_err(ApiError::ReadsLimited)?;
 
     let (totals, states) = futures::try_join!(
         async {

@@ -458,7 +458,7 @@ async fn openapi_document_is_valid_3_1_and_lists_every_status() -> TestResult {
             "POST /v1/votes lacks {status}"
         );
     }
-    for status in ["200", "400", "401", "405", "503"] {
+    for status in ["200", "400", "401", "405", "429", "503"] {
         assert!(
             doc["paths"]["/v1/votes/summary"]["get"]["responses"][status].is_object(),
             "summary lacks {status}"
@@ -684,5 +684,37 @@ async fn a_retry_of_a_committed_vote_gets_its_answer_while_its_user_is_rate_limi
     let served = app.summary("hasty", "video_once").await.json();
     assert_eq!(served["items"]["video_once"]["likes"], 1, "{served}");
     assert_eq!(served["items"]["video_once"]["user_state"], "like");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_flood_of_reads_from_one_user_gets_429_and_other_users_still_read() -> TestResult {
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        user_read_rate: 1.0,
+        user_read_burst: 5,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let ids = (0..21)
+        .map(|i| format!("video_{i}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let readers: Vec<String> = (0..3).map(|i| format!("reader{i}")).collect();
+    let (flood, others) = futures::future::join(
+        futures::future::join_all((0..40).map(|_| app.summary("greedy", &ids))),
+        futures::future::join_all(readers.iter().map(|u| app.summary(u, &ids))),
+    )
+    .await;
+    let served = flood.iter().filter(|r| r.status == 200).count();
+    assert!((1..=6).contains(&served), "{served} of 40 served");
+    for r in flood.iter().filter(|r| r.status != 200) {
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "rate_limited", "{}", r.body);
+        assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    }
+    for r in &others {
+        assert_eq!(r.status, 200, "another user's read: {}", r.body);
+    }
     Ok(())
 }

@@ -23,6 +23,9 @@ impl TestEnv {
             publish_wait: Duration::from_secs(5),
             user_rate: 20.0,
             user_burst: 60,
+            // Tests read far more often than people do.
+            user_read_rate: 10_000.0,
+            user_read_burst: 10_000,
             max_in_flight: 1024,
             min_in_flight: 4,
             slow_request: Duration::from_millis(500),
