@@ -297,10 +297,11 @@ impl Api {
         group: &str,
         admission_target: Option<Duration>,
     ) -> Api {
-        let port = free_port();
+        let (port, ops_port) = (free_port(), free_port());
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
         cmd.arg("vote")
             .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))
             .env("TALLY_USER_RATE", "10000")
             .env("TALLY_USER_BURST", "10000")
             .env("TALLY_USER_READ_RATE", "10000")
@@ -324,7 +325,10 @@ impl Api {
         let client = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let ready = client.get(format!("{base}/readyz")).send().await;
+            let ready = client
+                .get(format!("http://127.0.0.1:{ops_port}/readyz"))
+                .send()
+                .await;
             if matches!(&ready, Ok(r) if r.status().is_success()) {
                 break;
             }

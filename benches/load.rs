@@ -349,6 +349,7 @@ fn voters_and_client() -> (Arc<Vec<String>>, reqwest::Client) {
 fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally::api::ApiConfig {
     tally::api::ApiConfig {
         listen: "127.0.0.1:0".into(),
+        ops_listen: "127.0.0.1:0".into(),
         workers: 2,
         idempotency_ttl: Duration::from_secs(3600),
         publish_timeout: Duration::from_secs(3),

@@ -16,6 +16,7 @@ export TALLY_JWT_SECRET=${TALLY_JWT_SECRET:-dev-secret-change-me}
 # bytes unless told this is a developer's machine.
 export TALLY_INSECURE_DEV_SECRET=${TALLY_INSECURE_DEV_SECRET:-true}
 export TALLY_LISTEN=${TALLY_LISTEN:-127.0.0.1:8080}
+export TALLY_OPS_LISTEN=${TALLY_OPS_LISTEN:-127.0.0.1:9090}
 
 scripts/stack.sh up
 # The dev profile shares its build with scripts/test.sh; set
@@ -35,7 +36,7 @@ trap 'kill "$CONSUMER" 2>/dev/null; wait "$CONSUMER" 2>/dev/null || true' EXIT
 TOKEN=$("$TALLY" token --sub alice --ttl 24h)
 cat <<MSG
 
-tally vote listens on http://$TALLY_LISTEN   (consumer log: .stack/logs/consumer.log)
+tally vote listens on http://$TALLY_LISTEN, metrics and readiness on http://$TALLY_OPS_LISTEN   (consumer log: .stack/logs/consumer.log)
 Try, with a development token for user "alice":
 
   curl -s -X POST http://$TALLY_LISTEN/v1/votes \\

@@ -1,7 +1,13 @@
 //! What operators poll: `/metrics` (Prometheus text), `/healthz` (the process
 //! is alive, with each dependency's last state) and `/readyz` (503 naming the
-//! dependencies the role cannot work without). The vote API mounts these
-//! beside its routes; the consumer serves them on its own `--listen` address.
+//! dependencies the role cannot work without). Each role serves them on an
+//! address of its own (`--ops-listen` for the vote API, `--listen` for the
+//! consumer), apart from the public API; the vote API also answers
+//! `/healthz` on its public port, for load balancers.
+//!
+//! The dependencies are checked once a second in the background, whoever
+//! asks: a flood of `/readyz` costs the stores nothing, and the answer names
+//! what fails without its error (the log has that).
 //!
 //! The vote API does not need Kafka to take a vote: a vote commits to
 //! Cassandra and the outbox relay publishes it once Kafka answers. So for
@@ -43,9 +49,22 @@ pub struct Readiness {
     needs_kafka: bool,
     /// Each dependency's state at its last check, for `/healthz`.
     last: Arc<Mutex<BTreeMap<&'static str, bool>>>,
+    /// The last check's verdict, for `/readyz`; `None` until the first.
+    verdict: Arc<Mutex<Option<Verdict>>>,
+}
+
+/// What the last check found: what the role cannot work without, and what
+/// it can.
+#[derive(Debug, Clone, Default)]
+struct Verdict {
+    failing: Vec<&'static str>,
+    degraded: Vec<&'static str>,
 }
 
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often the dependencies are checked.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
 
 impl Readiness {
     /// The vote API's: Cassandra and Redis; Kafka only reported.
@@ -78,7 +97,43 @@ impl Readiness {
             cache,
             needs_kafka,
             last: Arc::default(),
+            verdict: Arc::default(),
         })
+    }
+
+    /// Checks the dependencies every `CHECK_EVERY`, for as long as the
+    /// runtime runs. A dependency that starts failing is logged with its
+    /// error once, and again when it answers.
+    pub fn watch(&self) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut down: BTreeMap<&'static str, String> = BTreeMap::new();
+            loop {
+                let failing = this.failing().await;
+                for (name, error) in &failing {
+                    if !down.contains_key(name) {
+                        tracing::warn!(dependency = name, error = %error, "dependency not answering");
+                    }
+                }
+                for name in down.keys() {
+                    if !failing.iter().any(|(n, _)| n == name) {
+                        tracing::info!(dependency = name, "dependency answers again");
+                    }
+                }
+                down = failing.iter().map(|(n, e)| (*n, e.clone())).collect();
+                let (needed, degraded): (Vec<_>, Vec<_>) = failing
+                    .into_iter()
+                    .map(|(name, _)| name)
+                    .partition(|name| *name != "kafka" || this.needs_kafka);
+                if let Ok(mut verdict) = this.verdict.lock() {
+                    *verdict = Some(Verdict {
+                        failing: needed,
+                        degraded,
+                    });
+                }
+                tokio::time::sleep(CHECK_EVERY).await;
+            }
+        });
     }
 
     /// The dependencies that do not answer, with why.
@@ -118,21 +173,9 @@ impl Readiness {
         }
         [c, k, r].into_iter().flatten().collect()
     }
-
-    /// Checks every dependency and sorts the failing ones into those the
-    /// role cannot work without, and those it can.
-    async fn check(&self) -> (Vec<(&'static str, String)>, Vec<&'static str>) {
-        let (needed, degraded) = self
-            .failing()
-            .await
-            .into_iter()
-            .partition(|(name, _)| *name != "kafka" || self.needs_kafka);
-        (needed, degraded.into_iter().map(|(name, _)| name).collect())
-    }
 }
 
-/// Alive, with each dependency's state as of its last check (every
-/// `/readyz` checks them all).
+/// Alive, with each dependency's state as of its last check.
 pub async fn healthz(readiness: web::Data<Readiness>) -> HttpResponse {
     let last = readiness.last.lock().map(|l| l.clone()).unwrap_or_default();
     let dependencies: serde_json::Map<String, serde_json::Value> = last
@@ -142,19 +185,21 @@ pub async fn healthz(readiness: web::Data<Readiness>) -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok", "dependencies": dependencies}))
 }
 
+/// Ready or not, as of the last background check: names, never errors.
 pub async fn readyz(readiness: web::Data<Readiness>) -> HttpResponse {
-    let (failing, degraded) = readiness.check().await;
-    if failing.is_empty() {
-        return HttpResponse::Ok().json(json!({"status": "ready", "degraded": degraded}));
+    let verdict = readiness.verdict.lock().ok().and_then(|v| v.clone());
+    let unavailable = |body: serde_json::Value| {
+        HttpResponse::ServiceUnavailable()
+            .insert_header((actix_web::http::header::RETRY_AFTER, "5"))
+            .json(body)
+    };
+    match verdict {
+        None => unavailable(json!({"status": "starting"})),
+        Some(v) if v.failing.is_empty() => {
+            HttpResponse::Ok().json(json!({"status": "ready", "degraded": v.degraded}))
+        }
+        Some(v) => unavailable(json!({"status": "unavailable", "failing": v.failing})),
     }
-    let names: Vec<&str> = failing.iter().map(|(n, _)| *n).collect();
-    let detail: serde_json::Map<String, serde_json::Value> = failing
-        .iter()
-        .map(|(n, e)| ((*n).to_owned(), json!(e)))
-        .collect();
-    HttpResponse::ServiceUnavailable()
-        .insert_header((actix_web::http::header::RETRY_AFTER, "5"))
-        .json(json!({"status": "unavailable", "failing": names, "detail": detail}))
 }
 
 pub async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
@@ -163,15 +208,16 @@ pub async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
         .body(handle.render())
 }
 
-/// The consumer's small HTTP server for the three endpoints. Returns the
-/// bound port and the server future.
+/// A role's small HTTP server for the three endpoints, and the background
+/// checks behind them. Returns the bound port and the server future.
 pub fn serve(
     listen: &str,
     readiness: Readiness,
     handle: PrometheusHandle,
 ) -> anyhow::Result<(u16, actix_web::dev::Server)> {
     let listener = std::net::TcpListener::bind(listen)
-        .with_context(|| format!("Failed to listen on {listen}"))?;
+        .with_context(|| format!("Failed to listen on {listen} (operator endpoints)"))?;
+    readiness.watch();
     let port = listener.local_addr()?.port();
     let (readiness, handle) = (web::Data::new(readiness), web::Data::new(handle));
     let server = HttpServer::new(move || {

@@ -133,6 +133,7 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     let mut svc = Services {
         env_vars: vec![
             ("TALLY_LISTEN".into(), format!("127.0.0.1:{api_port}")),
+            ("TALLY_OPS_LISTEN".into(), "127.0.0.1:0".into()),
             (
                 "TALLY_REDIS_URL".into(),
                 format!("redis://127.0.0.1:{redis_port}"),

@@ -208,7 +208,7 @@ fn metric(page: &str, name: &str, labels: &[&str]) -> f64 {
         .fold(0.0, |a, b| a + b)
 }
 
-/// Every vote instance's metrics page, concatenated.
+/// Every vote instance's metrics page (on its operator address), concatenated.
 async fn scrape(client: &reqwest::Client, bases: &[String]) -> String {
     let mut pages = String::new();
     for base in bases {
@@ -277,7 +277,8 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
 
     let env = TestEnv::on_cluster().await;
     let ports = [free_port(), free_port()];
-    let spawn = |sub: &str, port: Option<u16>| {
+    let ops_ports = [free_port(), free_port()];
+    let spawn = |sub: &str, port: Option<(u16, u16)>| {
         let mut cmd = env.tally();
         cmd.arg(sub)
             .env("TALLY_JWT_SECRET", JWT_SECRET)
@@ -287,14 +288,23 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
             .env("TALLY_CACHE_TTL_MAX", "5s")
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        if let Some(port) = port {
-            cmd.env("TALLY_LISTEN", format!("127.0.0.1:{port}"));
+        if let Some((port, ops)) = port {
+            cmd.env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+                .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"));
         }
         Proc(cmd.spawn().unwrap_or_else(|e| panic!("{e}")))
     };
-    let _votes: Vec<Proc> = ports.iter().map(|p| spawn("vote", Some(*p))).collect();
+    let _votes: Vec<Proc> = ports
+        .iter()
+        .zip(ops_ports)
+        .map(|(p, o)| spawn("vote", Some((*p, o))))
+        .collect();
     let mut consumers = vec![spawn("consumer", None), spawn("consumer", None)];
     let bases: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let ops_bases: Vec<String> = ops_ports
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))
         .collect();
@@ -467,7 +477,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     // starts at least 12 s (a vote's deadline and one request timeout)
     // after the last fault, so no earlier vote ends inside its window.
     wait_until(at(0.46).max(started.elapsed() + Duration::from_secs(12))).await;
-    let before = cas_outcomes(&scrape(&client, &bases).await);
+    let before = cas_outcomes(&scrape(&client, &ops_bases).await);
     let from = now_s();
     pause(&["cassandra2", "cassandra3"], Duration::from_secs(3)).await;
     windows.push(window(
@@ -483,7 +493,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
         Duration::from_secs(30),
         || async {
             let [timeouts, applied, not_applied, unresolved] =
-                cas_outcomes(&scrape(&client, &bases).await);
+                cas_outcomes(&scrape(&client, &ops_bases).await);
             (resumed.elapsed() >= Duration::from_secs(3)
                 && applied + not_applied + unresolved == timeouts)
                 .then_some([timeouts, applied, not_applied, unresolved])
@@ -688,7 +698,7 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
 
     // --- CAS timeouts, and how each was resolved -----------------------
     let [cas_unknown, resolved_applied, resolved_not, unresolved] =
-        cas_outcomes(&scrape(&client, &bases).await);
+        cas_outcomes(&scrape(&client, &ops_bases).await);
 
     // --- the report -----------------------------------------------------
     let phase = |from: f64, to: f64| {

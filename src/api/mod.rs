@@ -40,6 +40,12 @@ pub struct ApiConfig {
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: String,
 
+    /// Address of the operator endpoints: /metrics, /readyz and /healthz.
+    /// Keep it off the public network; the public port answers /healthz
+    /// only.
+    #[arg(long = "ops-listen", env = "TALLY_OPS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub ops_listen: String,
+
     /// HTTP worker threads.
     #[arg(long, env = "TALLY_WORKERS", default_value_t = 2)]
     pub workers: usize,
@@ -151,7 +157,9 @@ pub const REQUEST_ID: &str = "x-request-id";
 
 pub struct Application {
     port: u16,
+    ops_port: u16,
     server: Server,
+    ops: Server,
 }
 
 impl Application {
@@ -188,12 +196,13 @@ impl Application {
         if !config.relay.disabled {
             tokio::spawn(Relay::new(store.clone(), publisher.clone(), config.relay.clone()).run());
         }
-        let readiness = web::Data::new(Readiness::for_api(
-            store.clone(),
-            &config.stores.kafka,
-            cache.clone(),
-        )?);
-        let metrics = web::Data::new(crate::metrics::install());
+        let readiness = Readiness::for_api(store.clone(), &config.stores.kafka, cache.clone())?;
+        let (ops_port, ops) = crate::ops::serve(
+            &config.ops_listen,
+            readiness.clone(),
+            crate::metrics::install(),
+        )?;
+        let readiness = web::Data::new(readiness);
         let limiter = limit::UserLimiter::new(config.user_rate, config.user_burst);
         let admission = admission::AdmissionConfig {
             target: config.admission_target,
@@ -228,7 +237,6 @@ impl Application {
                 .app_data(state.clone())
                 .app_data(verifier.clone())
                 .app_data(readiness.clone())
-                .app_data(metrics.clone())
                 .wrap(from_fn(admit))
                 .wrap(from_fn(read_body))
                 .wrap(from_fn(observe))
@@ -248,9 +256,7 @@ impl Application {
                         .default_service(web::to(only_post)),
                 )
                 .route("/openapi.json", web::get().to(openapi))
-                .route("/metrics", web::get().to(ops::metrics))
                 .route("/healthz", web::get().to(ops::healthz))
-                .route("/readyz", web::get().to(ops::readyz))
                 .default_service(web::to(not_found))
         })
         .workers(config.workers.max(1))
@@ -258,15 +264,32 @@ impl Application {
         .shutdown_timeout(10)
         .listen(listener)?
         .run();
-        Ok(Application { port, server })
+        Ok(Application {
+            port,
+            ops_port,
+            server,
+            ops,
+        })
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    /// The bound port of the operator endpoints.
+    pub fn ops_port(&self) -> u16 {
+        self.ops_port
+    }
+
+    /// Serves until the API server stops (on a signal), then stops the
+    /// operator endpoints too.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
-        self.server.await
+        let ops = self.ops.handle();
+        let ops_task = tokio::spawn(self.ops);
+        let served = self.server.await;
+        ops.stop(true).await;
+        let _ = ops_task.await;
+        served
     }
 }
 

@@ -1,4 +1,5 @@
-//! What operators see: /metrics with the six signals, /healthz, /readyz.
+//! What operators see: /metrics with the six signals, /healthz, /readyz, on
+//! the operator address (`--ops-listen`), not the public one.
 
 use std::time::Duration;
 
@@ -36,7 +37,16 @@ async fn scrape(client: &reqwest::Client, url: &str) -> String {
 async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    let metrics_url = format!("{}/metrics", app.address);
+    let metrics_url = format!("{}/metrics", app.ops);
+    // Operator endpoints are on their own address, not the public one.
+    for path in ["/metrics", "/readyz"] {
+        let public = app
+            .client
+            .get(format!("{}{path}", app.address))
+            .send()
+            .await?;
+        assert_eq!(public.status().as_u16(), 404, "{path} on the public port");
+    }
 
     let consumer = env.start_consumer();
     assert_eq!(app.random_votes(&mut Rng(21), 30, 10, 3, 8).await, 30);
@@ -143,6 +153,7 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
     config.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);
     let app = tally::api::Application::build(config).await?;
     let base = format!("http://127.0.0.1:{}", app.port());
+    let ops = format!("http://127.0.0.1:{}", app.ops_port());
     tokio::spawn(app.run_until_stopped());
     let client = reqwest::Client::new();
     let readyz = |client: reqwest::Client, url: String| async move {
@@ -152,7 +163,7 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
     };
 
     eventually("ready with Redis up", Duration::from_secs(30), || {
-        readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
+        readyz(client.clone(), format!("{ops}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
     })
     .await;
     let health = client.get(format!("{base}/healthz")).send().await?;
@@ -160,13 +171,14 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
 
     redis.stop();
     let (_, body) = eventually("503 naming redis", Duration::from_secs(30), || {
-        readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 503))
+        readyz(client.clone(), format!("{ops}/readyz")).map(|r| r.filter(|(s, _)| *s == 503))
     })
     .await;
     assert_eq!(body["failing"], serde_json::json!(["redis"]), "{body}");
     // A vote still commits without the cache: Redis is not the truth.
     let vote = crate::support::TestApp {
         address: base.clone(),
+        ops: ops.clone(),
         client: client.clone(),
     }
     .vote("rita", new_key(), "video_r", "like")
@@ -175,7 +187,7 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
 
     let _back = PrivateRedis::start(port);
     eventually("ready again", Duration::from_secs(30), || {
-        readyz(client.clone(), format!("{base}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
+        readyz(client.clone(), format!("{ops}/readyz")).map(|r| r.filter(|(s, _)| *s == 200))
     })
     .await;
     Ok(())

@@ -58,18 +58,31 @@ async fn votes_commit_while_kafka_is_unreachable_and_the_relay_publishes_them() 
     let env = TestEnv::new().await;
     let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
 
-    let ready = cut_off
-        .client
-        .get(format!("{}/readyz", cut_off.address))
-        .send()
-        .await?;
+    // Readiness comes from a background check: until the first one has
+    // run the answer is 503 "starting"; after it, ready without Kafka.
+    let url = format!("{}/readyz", cut_off.ops);
+    let body = eventually(
+        "the first readiness check",
+        Duration::from_secs(30),
+        || async {
+            let ready = cut_off.client.get(&url).send().await.ok()?;
+            let status = ready.status().as_u16();
+            let body: serde_json::Value = ready.json().await.ok()?;
+            (body["status"] != "starting").then_some((status, body))
+        },
+    )
+    .await;
     assert_eq!(
-        ready.status().as_u16(),
-        200,
-        "Kafka is not needed to take a vote"
+        body.0, 200,
+        "Kafka is not needed to take a vote: {}",
+        body.1
     );
-    let body: serde_json::Value = ready.json().await?;
-    assert_eq!(body["degraded"], serde_json::json!(["kafka"]), "{body}");
+    assert_eq!(
+        body.1["degraded"],
+        serde_json::json!(["kafka"]),
+        "{}",
+        body.1
+    );
 
     for i in 0..20 {
         let action = ["like", "dislike", "none", "like"][i % 4];
@@ -96,11 +109,12 @@ async fn votes_of_a_process_killed_with_9_are_published_by_another_instances_rel
     let env = TestEnv::new().await;
     // A real `tally vote` process that cannot publish, so every vote it
     // answers is committed and unpublished when it dies.
-    let port = free_port();
+    let (port, ops_port) = (free_port(), free_port());
     let mut child = env
         .tally()
         .arg("vote")
         .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+        .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))
         .env("TALLY_JWT_SECRET", crate::support::JWT_SECRET)
         .env("TALLY_KAFKA_BROKERS", format!("127.0.0.1:{}", free_port()))
         .env("TALLY_PUBLISH_TIMEOUT", "500ms")
@@ -110,6 +124,7 @@ async fn votes_of_a_process_killed_with_9_are_published_by_another_instances_rel
         .spawn()?;
     let doomed = TestApp {
         address: format!("http://127.0.0.1:{port}"),
+        ops: format!("http://127.0.0.1:{ops_port}"),
         client: reqwest::Client::new(),
     };
     eventually(

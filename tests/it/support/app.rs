@@ -8,6 +8,8 @@ use super::{JWT_SECRET, TestEnv};
 /// The vote API running in-process on a free port, over a `TestEnv`.
 pub struct TestApp {
     pub address: String,
+    /// Where its operator endpoints (/metrics, /readyz) are.
+    pub ops: String,
     pub client: reqwest::Client,
 }
 
@@ -15,6 +17,7 @@ impl TestEnv {
     pub fn api_config(&self) -> tally::api::ApiConfig {
         tally::api::ApiConfig {
             listen: "127.0.0.1:0".into(),
+            ops_listen: "127.0.0.1:0".into(),
             workers: 2,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             publish_timeout: Duration::from_secs(5),
@@ -61,9 +64,11 @@ impl TestEnv {
             .await
             .unwrap_or_else(|e| panic!("app: {e:#}"));
         let address = format!("http://127.0.0.1:{}", app.port());
+        let ops = format!("http://127.0.0.1:{}", app.ops_port());
         tokio::spawn(app.run_until_stopped());
         TestApp {
             address,
+            ops,
             client: reqwest::Client::new(),
         }
     }
