@@ -527,14 +527,17 @@ impl AfterCommit {
     /// to more than a relay can check.
     fn resolve_later(self: &Arc<Self>, slot: Slot, user: &UserId, key: &IdempotencyKey) {
         let (after, user, key) = (self.clone(), user.clone(), key.clone());
-        tokio::spawn(async move {
-            if let Err(e) = after.store.outbox.resolve(slot, &user, &key).await {
-                tracing::debug!(
-                    error = format!("{:#}", anyhow::Error::new(e)),
-                    "intent not marked resolved; the relay will check it"
-                );
-            }
-        });
+        tokio::spawn(async move { after.resolve(slot, &user, &key).await });
+    }
+
+    /// Marks an intent resolved. Losing the mark costs the relay one check.
+    async fn resolve(&self, slot: Slot, user: &UserId, key: &IdempotencyKey) {
+        if let Err(e) = self.store.outbox.resolve(slot, user, key).await {
+            tracing::debug!(
+                error = format!("{:#}", anyhow::Error::new(e)),
+                "intent not marked resolved; the relay will check it"
+            );
+        }
     }
 
     /// Offers the transition to Kafka once. If Kafka does not take it, the
@@ -550,13 +553,7 @@ impl AfterCommit {
         match self.publisher.publish(transition, request_id).await {
             Ok(()) => {
                 if let Some(slot) = intent {
-                    // Spares the relay a check; losing it costs only that.
-                    if let Err(e) = self.store.outbox.resolve(slot, user, key).await {
-                        tracing::debug!(
-                            error = format!("{:#}", anyhow::Error::new(e)),
-                            "intent not marked resolved; the relay will check it"
-                        );
-                    }
+                    self.resolve(slot, user, key).await;
                 }
             }
             Err(e) => {
@@ -610,7 +607,7 @@ impl AfterCommit {
                 .is_ok()
             {
                 metrics::counter!(crate::metrics::REPLAYS_REPUBLISHED).increment(1);
-                let _ = after.store.outbox.resolve(slot, &user, &key).await;
+                after.resolve(slot, &user, &key).await;
             }
         });
     }

@@ -603,8 +603,10 @@ async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() 
     // 50 clients send their headers, then a byte of an 80-byte body every
     // 300 ms: without a deadline they would take 24 s each.
     let mut trickling = Vec::new();
+    let (started, mut sending) = tokio::sync::mpsc::channel::<()>(50);
     for i in 0..50 {
         let (addr, token) = (addr.clone(), token(&format!("loris{i}")));
+        let started = started.clone();
         trickling.push(tokio::spawn(async move {
             let mut conn = tokio::net::TcpStream::connect(&addr).await?;
             let head = format!(
@@ -614,13 +616,15 @@ async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() 
                 new_key()
             );
             conn.write_all(head.as_bytes()).await?;
+            conn.write_all(b" ").await?;
+            let _ = started.send(()).await;
             let (mut rx, mut tx) = conn.into_split();
             let writer = tokio::spawn(async move {
-                for _ in 0..80 {
+                for _ in 1..80 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
                     if tx.write_all(b" ").await.is_err() {
                         break;
                     }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
                 }
             });
             let mut answer = vec![0u8; 512];
@@ -631,7 +635,13 @@ async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() 
             anyhow::Ok(String::from_utf8_lossy(&answer[..n]).into_owned())
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every one of them has sent its headers and the first byte of its body.
+    drop(started);
+    for n in 0..50 {
+        tokio::time::timeout(Duration::from_secs(10), sending.recv())
+            .await
+            .map_err(|_| anyhow::anyhow!("{n} of 50 clients started in 10 s"))?;
+    }
 
     // Meanwhile another user's votes go through, one after another.
     for (i, action) in ["like", "dislike", "none", "like", "dislike"]
