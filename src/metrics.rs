@@ -41,6 +41,7 @@ pub const RELAY_PUBLISHED: &str = "tally_relay_published_total";
 pub const REPLAYS_REPUBLISHED: &str = "tally_replays_republished_total";
 /// Whether each dependency answered its last check (1) or not (0).
 pub const DEPENDENCY_UP: &str = "tally_dependency_up";
+/// Events sent to the dead-letter topic, by cause (invalid, parked).
 pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
 pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
@@ -153,7 +154,10 @@ fn describe() {
         DEPENDENCY_UP,
         "whether a dependency answered its last check (1) or not (0)"
     );
-    describe_counter!(DEAD_LETTERED, "events sent to the dead-letter topic");
+    describe_counter!(
+        DEAD_LETTERED,
+        "events sent to the dead-letter topic, by cause (invalid: it does not parse; parked: its bucket kept failing)"
+    );
     describe_counter!(
         GAPS,
         "transitions whose from was not the counted state (lost or reordered events)"

@@ -14,7 +14,7 @@
 //! the API a Kafka outage is reported (degraded), never a reason to be
 //! pulled from a load balancer. The consumer cannot work without Kafka.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -51,6 +51,9 @@ pub struct Readiness {
     last: Arc<Mutex<BTreeMap<&'static str, bool>>>,
     /// The last check's verdict, for `/readyz`; `None` until the first.
     verdict: Arc<Mutex<Option<Verdict>>>,
+    /// What the role itself found it cannot work without, until released
+    /// (the consumer's dead-letter topic refusing writes).
+    held: Arc<Mutex<BTreeSet<&'static str>>>,
 }
 
 /// What the last check found: what the role cannot work without, and what
@@ -98,7 +101,27 @@ impl Readiness {
             needs_kafka,
             last: Arc::default(),
             verdict: Arc::default(),
+            held: Arc::default(),
         })
+    }
+
+    /// Makes the role unready, naming `name`, until `release`. True when it
+    /// was not held already.
+    pub fn hold(&self, name: &'static str) -> bool {
+        self.held.lock().is_ok_and(|mut h| h.insert(name))
+    }
+
+    pub fn release(&self, name: &'static str) {
+        if let Ok(mut held) = self.held.lock() {
+            held.remove(name);
+        }
+    }
+
+    fn held(&self) -> Vec<&'static str> {
+        self.held
+            .lock()
+            .map(|h| h.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Checks the dependencies every `CHECK_EVERY`, for as long as the
@@ -177,7 +200,10 @@ impl Readiness {
 
 /// Alive, with each dependency's state as of its last check.
 pub async fn healthz(readiness: web::Data<Readiness>) -> HttpResponse {
-    let last = readiness.last.lock().map(|l| l.clone()).unwrap_or_default();
+    let mut last = readiness.last.lock().map(|l| l.clone()).unwrap_or_default();
+    for name in readiness.held() {
+        last.insert(name, false);
+    }
     let dependencies: serde_json::Map<String, serde_json::Value> = last
         .into_iter()
         .map(|(name, up)| (name.to_owned(), json!(if up { "up" } else { "down" })))
@@ -187,7 +213,10 @@ pub async fn healthz(readiness: web::Data<Readiness>) -> HttpResponse {
 
 /// Ready or not, as of the last background check: names, never errors.
 pub async fn readyz(readiness: web::Data<Readiness>) -> HttpResponse {
-    let verdict = readiness.verdict.lock().ok().and_then(|v| v.clone());
+    let mut verdict = readiness.verdict.lock().ok().and_then(|v| v.clone());
+    if let Some(v) = verdict.as_mut() {
+        v.failing.extend(readiness.held());
+    }
     let unavailable = |body: serde_json::Value| {
         HttpResponse::ServiceUnavailable()
             .insert_header((actix_web::http::header::RETRY_AFTER, "5"))

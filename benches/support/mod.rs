@@ -107,6 +107,7 @@ pub fn consumer_config(
         parallelism: 16,
         drain_timeout: Duration::from_secs(30),
         mode,
+        park_after: 8,
         cache_ttl: tally::cache::TtlPolicy {
             min: Duration::from_secs(60),
             max: Duration::from_secs(3600),

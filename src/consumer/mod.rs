@@ -72,6 +72,12 @@ pub struct ConsumerConfig {
     #[arg(long = "write-mode", env = "TALLY_WRITE_MODE", value_enum, default_value_t = WriteMode::Batched)]
     pub mode: WriteMode,
 
+    /// Failed writes of one bucket of a target after which its events go to
+    /// the dead-letter topic, if Cassandra still takes a conditional write
+    /// elsewhere (a store that takes none is waited for, never parked).
+    #[arg(long = "park-after", env = "TALLY_PARK_AFTER", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    pub park_after: u32,
+
     /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
     #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
     pub listen: String,
@@ -90,6 +96,8 @@ pub struct Progress {
     /// Messages whose offsets were stored (applied, replayed or dead-lettered).
     pub processed: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Events dead-lettered because their bucket's writes kept failing.
+    pub parked: AtomicU64,
     pub replays: AtomicU64,
     pub gaps: AtomicU64,
     /// Fenced writes that landed.
@@ -122,7 +130,7 @@ pub async fn run(
     let readiness =
         crate::ops::Readiness::for_consumer(store.clone(), &config.stores.kafka, cache.clone())?;
     let (port, ops_server) =
-        crate::ops::serve(&config.listen, readiness, crate::metrics::install())?;
+        crate::ops::serve(&config.listen, readiness.clone(), crate::metrics::install())?;
     progress.ops_port.store(u64::from(port), Ordering::Relaxed);
     let ops_handle = ops_server.handle();
     tokio::spawn(ops_server);
@@ -131,6 +139,7 @@ pub async fn run(
     tracing::info!(group = %config.group, topic = %config.stores.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let known = Known::default();
+    let parked = Parked::default();
     let worker = Worker {
         config: &config,
         stats: &store.stats,
@@ -138,6 +147,8 @@ pub async fn run(
         cache: &cache,
         progress: &progress,
         known: &known,
+        parked: &parked,
+        readiness: &readiness,
     };
     let result = loop {
         if *stop.borrow() {
@@ -191,6 +202,37 @@ struct Worker<'a> {
     cache: &'a Cache,
     progress: &'a Progress,
     known: &'a Known,
+    parked: &'a Parked,
+    readiness: &'a crate::ops::Readiness,
+}
+
+/// Buckets whose events were parked lately. While one stays here, a
+/// single failed write parks its next events, rather than `park_after`:
+/// a target that is broken costs each batch one attempt, not a minute.
+#[derive(Default)]
+struct Parked(Mutex<HashMap<(TargetId, Bucket), std::time::Instant>>);
+
+/// How long a parked bucket is remembered as broken.
+const PARKED_FOR: Duration = Duration::from_secs(300);
+
+impl Parked {
+    fn recently(&self, target: &TargetId, bucket: Bucket) -> bool {
+        self.0.lock().is_ok_and(|p| {
+            p.get(&(target.clone(), bucket))
+                .is_some_and(|at| at.elapsed() < PARKED_FOR)
+        })
+    }
+
+    fn set(&self, target: &TargetId, bucket: Bucket, parked: bool) {
+        if let Ok(mut p) = self.0.lock() {
+            p.retain(|_, at| at.elapsed() < PARKED_FOR);
+            if parked {
+                p.insert((target.clone(), bucket), std::time::Instant::now());
+            } else {
+                p.remove(&(target.clone(), bucket));
+            }
+        }
+    }
 }
 
 /// The seq and totals this consumer last left each bucket at, as far as it
@@ -234,24 +276,32 @@ impl Worker<'_> {
         batch: &[Received],
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
-        let mut by_bucket: HashMap<(TargetId, Bucket), Vec<Transition>> = HashMap::new();
-        for m in batch {
+        // Each bucket's events, and where in the batch each came.
+        let mut by_bucket: HashMap<(TargetId, Bucket), (Vec<Transition>, Vec<usize>)> =
+            HashMap::new();
+        for (i, m) in batch.iter().enumerate() {
             match Transition::from_json(&m.payload) {
                 Ok(t) => {
                     let bucket = self.stats.bucket_of(&t.user_id);
-                    by_bucket
-                        .entry((t.target_id.clone(), bucket))
-                        .or_default()
-                        .push(t);
+                    let (events, sources) =
+                        by_bucket.entry((t.target_id.clone(), bucket)).or_default();
+                    events.push(t);
+                    sources.push(i);
                 }
-                Err(reason) => self.dead_letter(m, &reason.to_string(), stop).await?,
+                Err(reason) => {
+                    self.dead_letter(m, &reason.to_string(), "invalid", stop)
+                        .await?;
+                }
             }
         }
-        let writes = by_bucket
-            .into_iter()
-            .map(|((target, bucket), events)| async move {
-                self.count_bucket((&target, bucket), &events, stop).await
-            });
+        let writes =
+            by_bucket
+                .into_iter()
+                .map(|((target, bucket), (events, sources))| async move {
+                    let sources: Vec<&Received> = sources.iter().map(|&i| &batch[i]).collect();
+                    self.count_bucket((&target, bucket), (&events, &sources), stop)
+                        .await
+                });
         let results: Vec<anyhow::Result<()>> = futures::stream::iter(writes)
             .buffer_unordered(self.config.parallelism.max(1))
             .collect()
@@ -261,18 +311,20 @@ impl Worker<'_> {
 
     /// Counts the events of one bucket of a target, in chunks of at most
     /// `MAX_USERS_PER_WRITE` users (one event per chunk in per-event mode),
-    /// each through the fence. Retries a chunk until it lands.
+    /// each through the fence. Retries a chunk until it lands, or parks it
+    /// (see `park`) when the bucket keeps failing while the store does not.
     async fn count_bucket(
         &self,
         (target, bucket): (&TargetId, Bucket),
-        events: &[Transition],
+        (events, sources): (&[Transition], &[&Received]),
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         let per_chunk = match self.config.mode {
             WriteMode::Batched => MAX_USERS_PER_WRITE,
             WriteMode::PerEvent => 1,
         };
-        for chunk in chunks_by_users(events, per_chunk) {
+        for range in chunks_by_users(events, per_chunk) {
+            let chunk = &events[range.clone()];
             if self.config.mode == WriteMode::Batched
                 && self.count_unread((target, bucket), chunk).await
             {
@@ -282,6 +334,12 @@ impl Worker<'_> {
             users.sort_unstable();
             users.dedup();
             let mut backoff = Duration::from_millis(50);
+            let mut failures = 0;
+            let park_after = if self.parked.recently(target, bucket) {
+                1
+            } else {
+                self.config.park_after
+            };
             loop {
                 let mut counting = Counting {
                     events: chunk,
@@ -299,17 +357,35 @@ impl Worker<'_> {
                 {
                     Ok(done) => {
                         self.known.set(target, bucket, done.left);
+                        self.parked.set(target, bucket, false);
                         self.record(target, chunk.len() as u64, &counting.ledger, done);
                         break;
                     }
                     Err(e) => {
+                        let e = anyhow::Error::new(e);
                         if *stop.borrow() && backoff >= Duration::from_secs(2) {
-                            anyhow::bail!(
-                                "stopping while Cassandra is failing: {:#}",
-                                anyhow::Error::new(e)
-                            );
+                            anyhow::bail!("stopping while Cassandra is failing: {e:#}");
                         }
-                        tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "stats write failed; retrying");
+                        // Only failures while the store takes other
+                        // conditional writes count against the bucket: an
+                        // outage or a restart of Cassandra parks nothing.
+                        match self.stats.probe().await {
+                            Ok(()) => failures += 1,
+                            Err(probe) => {
+                                failures = 0;
+                                tracing::warn!(
+                                    error = format!("{:#}", anyhow::Error::new(probe)),
+                                    "Cassandra takes no conditional write at all; waiting for it"
+                                );
+                            }
+                        }
+                        if failures >= park_after {
+                            let why = (failures, &e);
+                            self.park((target, bucket), &sources[range], why, stop)
+                                .await?;
+                            break;
+                        }
+                        tracing::warn!(target_id = %target, error = format!("{e:#}"), "stats write failed; retrying");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(5));
                     }
@@ -401,19 +477,58 @@ impl Worker<'_> {
         }
     }
 
-    /// Sends an event the consumer cannot apply to the dead-letter topic and
-    /// waits until Kafka has it: a poison message is never silently skipped.
+    /// Parks the events of a chunk whose bucket keeps failing while
+    /// Cassandra takes other conditional writes: they go to the dead-letter
+    /// topic with the reason, and the rest of the partition moves on. Their
+    /// users' rows stay the truth; `tally reconcile --target` recounts the
+    /// target once it is writable again.
+    async fn park(
+        &self,
+        (target, bucket): (&TargetId, Bucket),
+        sources: &[&Received],
+        (failures, error): (u32, &anyhow::Error),
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        self.known.set(target, bucket, None);
+        self.parked.set(target, bucket, true);
+        tracing::error!(
+            target_id = %target,
+            bucket = bucket.column(),
+            events = sources.len(),
+            error = format!("{error:#}"),
+            "parking a bucket whose writes keep failing while Cassandra takes others: its events go to the dead-letter topic"
+        );
+        let reason = format!(
+            "target {target} bucket {}: its writes failed {failures} times in a row while Cassandra took other conditional writes: {error:#}",
+            bucket.column()
+        );
+        for m in sources {
+            self.dead_letter(m, &reason, "parked", stop).await?;
+        }
+        self.progress
+            .parked
+            .fetch_add(sources.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends an event to the dead-letter topic and waits until Kafka has
+    /// it: an event is never silently skipped. While the topic takes
+    /// nothing, the consumer is unready and consumes nothing more; it tries
+    /// again with a growing pause rather than spinning.
     async fn dead_letter(
         &self,
         m: &Received,
         reason: &str,
+        cause: &'static str,
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
+        let mut backoff = Duration::from_millis(200);
         loop {
             match self.dead_letters.send(m, reason).await {
                 Ok(()) => {
+                    self.readiness.release(DEAD_LETTERS);
                     self.progress.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!(crate::metrics::DEAD_LETTERED).increment(1);
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "cause" => cause).increment(1);
                     tracing::warn!(
                         partition = m.partition,
                         offset = m.offset,
@@ -423,19 +538,25 @@ impl Worker<'_> {
                     return Ok(());
                 }
                 Err(e) if !*stop.borrow() => {
-                    tracing::warn!(
-                        error = format!("{e:#}"),
-                        "dead-letter publish failed; retrying"
-                    );
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if self.readiness.hold(DEAD_LETTERS) {
+                        tracing::error!(
+                            error = format!("{e:#}"),
+                            "the dead-letter topic takes nothing: consuming stops and /readyz fails until it does"
+                        );
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
-                Err(e) => anyhow::bail!(
-                    "stopping before a poison message reached the dead-letter topic: {e:#}"
-                ),
+                Err(e) => {
+                    anyhow::bail!("stopping before an event reached the dead-letter topic: {e:#}")
+                }
             }
         }
     }
 }
+
+/// The name `/readyz` gives an unwritable dead-letter topic.
+const DEAD_LETTERS: &str = "dead_letter_topic";
 
 /// Folds one chunk of a target's events into each round's read.
 struct Counting<'a> {
@@ -493,13 +614,13 @@ fn beliefs(events: &[Transition]) -> Option<HashMap<UserId, Applied>> {
 }
 
 /// Splits a target's events, in order, into runs with at most `max` users.
-fn chunks_by_users(events: &[Transition], max: usize) -> Vec<&[Transition]> {
+fn chunks_by_users(events: &[Transition], max: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut users): (usize, Vec<&UserId>) = (0, Vec::new());
     for (i, t) in events.iter().enumerate() {
         if !users.contains(&&t.user_id) {
             if users.len() == max {
-                out.push(&events[start..i]);
+                out.push(start..i);
                 start = i;
                 users.clear();
             }
@@ -507,7 +628,7 @@ fn chunks_by_users(events: &[Transition], max: usize) -> Vec<&[Transition]> {
         }
     }
     if start < events.len() {
-        out.push(&events[start..]);
+        out.push(start..events.len());
     }
     out
 }
@@ -542,7 +663,12 @@ mod tests {
         let chunks = chunks_by_users(&events, 2);
         let shape: Vec<Vec<(&str, i64)>> = chunks
             .iter()
-            .map(|c| c.iter().map(|t| (t.user_id.as_str(), t.version)).collect())
+            .map(|c| {
+                events[c.clone()]
+                    .iter()
+                    .map(|t| (t.user_id.as_str(), t.version))
+                    .collect()
+            })
             .collect();
         assert_eq!(
             shape,

@@ -101,6 +101,7 @@ pub struct Stats {
     write_user: PreparedStatement,
     write_user_at: PreparedStatement,
     write_user_new: PreparedStatement,
+    probe: PreparedStatement,
 }
 
 type StoredRow = (Option<i64>, Option<String>, Option<i64>, Option<String>);
@@ -180,6 +181,13 @@ impl Stats {
             .prepare(format!("{user_cql} IF applied_version = null"))
             .await
             .context("prepare user write on no applied row")?;
+        // A conditional write to a row of its own, which no reader depends on.
+        let probe = session
+            .prepare(
+                "INSERT INTO settings (name, value) VALUES ('consumer_probe', 0) IF NOT EXISTS",
+            )
+            .await
+            .context("prepare the store probe")?;
         Ok(Stats {
             layout,
             levels,
@@ -193,7 +201,18 @@ impl Stats {
             write_user,
             write_user_at,
             write_user_new,
+            probe,
         })
+    }
+
+    /// Whether Cassandra takes a conditional write elsewhere: one Paxos round
+    /// on a partition of its own. When it does and a bucket's writes keep
+    /// failing, the fault is that bucket's, not the store's.
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        match classify(self.session.execute_unpaged(&self.probe, ()).await) {
+            Cas::Applied | Cas::NotApplied => Ok(()),
+            Cas::Unknown(e) | Cas::Failed(e) => Err(StoreError::Request(e)),
+        }
     }
 
     /// The keyspace's bucket count.

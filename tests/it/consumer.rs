@@ -105,19 +105,35 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() -> 
         "the valid event behind the poison was applied"
     );
     assert_eq!(dead, 2);
+    let letters = dead_letters(&env, 2).await?;
+    assert!(
+        letters.iter().all(|(key, _)| key == "video_p"),
+        "{letters:?}"
+    );
+    let reasons: Vec<&String> = letters.iter().map(|(_, reason)| reason).collect();
+    assert!(reasons[0].contains("not a transition"), "{reasons:?}");
+    assert!(reasons[1].contains("must change"), "{reasons:?}");
+    Ok(())
+}
+
+/// The first `n` dead letters: each one's key and reason.
+async fn dead_letters(env: &TestEnv, n: usize) -> Result<Vec<(String, String)>, anyhow::Error> {
     let dlq: StreamConsumer = env
         .kafka
         .client()
-        .set("group.id", format!("{}-dlq", env.group))
+        .set(
+            "group.id",
+            format!("{}-dlq-{}", env.group, uuid::Uuid::new_v4()),
+        )
         .set("auto.offset.reset", "earliest")
         .create()?;
     dlq.subscribe(&[&env.kafka.dead_letter_topic])?;
-    let mut reasons = Vec::new();
+    let mut letters = Vec::new();
     let mut stream = dlq.stream();
-    while reasons.len() < 2 {
+    while letters.len() < n {
         let m = tokio::time::timeout(Duration::from_secs(30), stream.next())
             .await
-            .unwrap_or_else(|_| panic!("dead letters missing; got {reasons:?}"))
+            .unwrap_or_else(|_| panic!("dead letters missing; got {letters:?}"))
             .unwrap_or_else(|| panic!("stream ended"))?;
         let reason = m
             .headers()
@@ -128,11 +144,249 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() -> 
             })
             .map(|v| String::from_utf8_lossy(v).into_owned())
             .unwrap_or_default();
-        assert_eq!(m.key(), Some(&b"video_p"[..]));
-        reasons.push(reason);
+        let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+        letters.push((key, reason));
     }
-    assert!(reasons[0].contains("not a transition"), "{reasons:?}");
-    assert!(reasons[1].contains("must change"), "{reasons:?}");
+    Ok(letters)
+}
+
+/// A transition as the API publishes it.
+fn transition(user: &str, target: &str, from: &str, to: &str, version: i64) -> Vec<u8> {
+    serde_json::json!({
+        "target_id": target, "target_type": "video", "user_id": user,
+        "from": from, "to": to, "version": version, "occurred_at": "2026-12-01T00:00:00.000Z"
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Fills a bucket of a target with `n` row tombstones ahead of any row, so
+/// that every read of the bucket's head scans them all and Cassandra aborts
+/// it (its tombstone_failure_threshold is 100,000): the bucket can be
+/// neither read nor written, while every other partition answers.
+async fn bury_in_tombstones(env: &TestEnv, target: &str, bucket: i32, n: i64) -> TestResult {
+    use scylla::statement::batch::{Batch, BatchType};
+    let delete = env
+        .session
+        .prepare(
+            "DELETE FROM target_stats WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = 'ghost'",
+        )
+        .await?;
+    let per_batch = 100;
+    let batches = (0..n / per_batch).map(|b| {
+        let mut batch = Batch::new(BatchType::Unlogged);
+        let mut values = Vec::new();
+        for i in 0..per_batch {
+            batch.append_statement(delete.clone());
+            values.push((target, bucket, i64::MIN + b * per_batch + i));
+        }
+        let session = &env.session;
+        async move { session.batch(&batch, values).await.map(|_| ()) }
+    });
+    let results: Vec<_> = futures::stream::iter(batches)
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_target_whose_writes_always_fail_is_parked_and_every_other_target_is_still_counted()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let broken = "video_broken";
+    let (bucket, _) = env.place_of("b0");
+    let voters: Vec<String> = (0..)
+        .map(|i| format!("b{i}"))
+        .filter(|u| env.place_of(u).0 == bucket)
+        .take(3)
+        .collect();
+    bury_in_tombstones(&env, broken, bucket, 110_000).await?;
+    // One key, so one partition: the broken target's events come first and
+    // every other target's wait behind them.
+    for u in &voters {
+        env.publish_raw(broken, &transition(u, broken, "none", "like", 1))
+            .await;
+    }
+    for (u, target) in [
+        ("o1", "video_ok1"),
+        ("o2", "video_ok1"),
+        ("o3", "video_ok2"),
+    ] {
+        env.publish_raw(broken, &transition(u, target, "none", "like", 1))
+            .await;
+    }
+    let mut config = env.consumer_config();
+    config.park_after = 3;
+    let consumer = env.start_consumer_with(config);
+    let counted = || async {
+        (
+            likes_of(&env, "video_ok1").await,
+            likes_of(&env, "video_ok2").await,
+        )
+    };
+    let parked = || {
+        consumer
+            .progress
+            .parked
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    // The batch is done, its offsets stored, once the broken target's
+    // events are parked: the partition moves on.
+    eventually(
+        "the other targets counted and the batch done",
+        Duration::from_secs(90),
+        || async { (consumer.processed() == 6 && counted().await == (2, 1)).then_some(()) },
+    )
+    .await;
+    assert_eq!(parked(), 3, "the broken target's three events were parked");
+
+    // Parked lately: its next event is parked at its first failure, and
+    // the partition keeps flowing.
+    env.publish_raw(broken, &transition(&voters[0], broken, "like", "none", 2))
+        .await;
+    env.publish_raw(broken, &transition("o4", "video_ok2", "none", "like", 1))
+        .await;
+    eventually(
+        "the next event of another target to be counted",
+        Duration::from_secs(60),
+        || async { (consumer.processed() == 8 && counted().await == (2, 2)).then_some(()) },
+    )
+    .await;
+    assert_eq!(parked(), 4);
+    consumer.stop().await;
+
+    let letters = dead_letters(&env, 4).await?;
+    for (_, reason) in &letters {
+        assert!(
+            reason.contains("target video_broken") && reason.contains("writes failed"),
+            "{reason}"
+        );
+    }
+    Ok(())
+}
+
+/// A target's likes, read from its own buckets: a scan of the table would
+/// reach a buried bucket's tombstones and fail as the consumer's reads do.
+async fn likes_of(env: &TestEnv, target: &str) -> i64 {
+    let rows = env
+        .session
+        .query_unpaged(
+            "SELECT likes FROM target_stats WHERE target_id = ? AND bucket IN (0, 1, 2, 3) PER PARTITION LIMIT 1",
+            (target,),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_rows_result()
+        .unwrap_or_else(|e| panic!("{e}"));
+    rows.rows::<(Option<i64>,)>()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .map(|r| r.map_or(0, |(n,)| n.unwrap_or(0)))
+        .sum()
+}
+
+/// Sets one config of a topic (the rest back to the broker's defaults).
+async fn set_topic_config(env: &TestEnv, topic: &str, name: &str, value: &str) -> TestResult {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = env.kafka.client().create()?;
+    let results = admin
+        .alter_configs(
+            &[AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value)],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(10))),
+        )
+        .await?;
+    for r in results {
+        r.map_err(|(resource, e)| anyhow::anyhow!("{resource:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn while_the_dead_letter_topic_takes_nothing_the_consumer_stops_and_is_unready() -> TestResult
+{
+    let env = TestEnv::new().await;
+    let dlq = env.kafka.dead_letter_topic.clone();
+    // A record batch larger than this is refused by the broker.
+    set_topic_config(&env, &dlq, "max.message.bytes", "16").await?;
+    env.publish_raw(
+        "video_d",
+        b"{this poison message cannot be parsed as a transition at all",
+    )
+    .await;
+    env.publish_raw("video_d", &transition("dora", "video_d", "none", "like", 1))
+        .await;
+    let consumer = env.start_consumer();
+    let ops = eventually(
+        "the consumer's ops port",
+        Duration::from_secs(30),
+        || async {
+            let port = consumer
+                .progress
+                .ops_port
+                .load(std::sync::atomic::Ordering::Relaxed);
+            (port != 0).then(|| format!("http://127.0.0.1:{port}/readyz"))
+        },
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let readyz = || async {
+        let r = client.get(&ops).send().await.ok()?;
+        let status = r.status().as_u16();
+        Some((status, r.json::<serde_json::Value>().await.ok()?))
+    };
+    let body = eventually(
+        "/readyz to name the dead-letter topic",
+        Duration::from_secs(60),
+        || async {
+            readyz()
+                .await
+                .filter(|(status, body)| {
+                    *status == 503 && body["failing"].to_string().contains("dead_letter_topic")
+                })
+                .map(|(_, body)| body)
+        },
+    )
+    .await;
+    assert_eq!(body["status"], "unavailable");
+    assert_eq!(
+        consumer.processed(),
+        0,
+        "nothing past the poison is consumed"
+    );
+    assert!(
+        !env.stats().await.contains_key("video_d"),
+        "the event behind it waits"
+    );
+
+    set_topic_config(&env, &dlq, "max.message.bytes", "1048588").await?;
+    eventually(
+        "the event behind the poison to be counted",
+        Duration::from_secs(90),
+        || async { (env.stats().await.get("video_d").map(|s| s.likes()) == Some(1)).then_some(()) },
+    )
+    .await;
+    eventually(
+        "/readyz to answer 200 again",
+        Duration::from_secs(30),
+        || async {
+            readyz()
+                .await
+                .filter(|(status, _)| *status == 200)
+                .map(|_| ())
+        },
+    )
+    .await;
+    let dead = consumer
+        .progress
+        .dead_lettered
+        .load(std::sync::atomic::Ordering::Relaxed);
+    consumer.stop().await;
+    assert_eq!(dead, 1);
+    let letters = dead_letters(&env, 1).await?;
+    assert_eq!(letters[0].0, "video_d");
     Ok(())
 }
 

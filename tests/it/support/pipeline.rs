@@ -38,6 +38,7 @@ impl TestEnv {
             parallelism: 8,
             drain_timeout: Duration::from_secs(20),
             mode: tally::consumer::WriteMode::Batched,
+            park_after: 8,
             cache_ttl: tally::cache::TtlPolicy {
                 min: Duration::from_secs(60),
                 max: Duration::from_secs(3600),
