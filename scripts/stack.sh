@@ -20,6 +20,11 @@
 #                             Redis; the servers are named cassandra1..3 and kafka1..3. Once up, the
 #                             other commands act on the cluster until `down`. Linux routes all of
 #                             127.0.0.0/8 to the loopback interface, so no setup is needed.
+#   scripts/stack.sh up --secure
+#                             the single node's three servers wanting TLS and a login (a throwaway CA
+#                             from openssl, Cassandra roles, Kafka SASL/SCRAM users and ACLs, a Redis
+#                             ACL user); each role's TALLY_* variables land in .stack/secure/*.env.
+#                             See scripts/stack/secure.sh.
 #   scripts/stack.sh nodetool ARGS
 #                             Cassandra's nodetool against the (first) node's local-only JMX port,
 #                             e.g. `nodetool flush KEYSPACE target_stats` or `nodetool tablestats`
@@ -50,7 +55,7 @@ START_TIMEOUT=${TALLY_STACK_START_TIMEOUT:-240}
 log() { printf '[stack] %s\n' "$*" >&2; }
 die() { printf '[stack] error: %s\n' "$*" >&2; exit 1; }
 
-probe() { python3 "$CONF/probe.py" "$@" >/dev/null 2>&1; }
+probe() { PROBE_CA="$STACK/secure/ca.pem" python3 "$CONF/probe.py" "$@" >/dev/null 2>&1; }
 
 # ---------------------------------------------------------------- installing
 
@@ -95,6 +100,11 @@ ensure_packages() {
     command -v iptables >/dev/null || missing+=(iptables)
     [ -e /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -e /usr/include/curl/curl.h ] \
         || [ -e /usr/include/aarch64-linux-gnu/curl/curl.h ] || missing+=(libcurl4-openssl-dev)
+    # TLS: librdkafka and the Cassandra driver link the system OpenSSL; the
+    # secure stack makes its certificates with the openssl tool.
+    [ -e /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
+    command -v pkg-config >/dev/null || missing+=(pkg-config)
+    command -v openssl >/dev/null || missing+=(openssl)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi
@@ -170,15 +180,27 @@ cassandra1 CassandraDaemon  cql    127.0.0.1  9042
 cassandra2 CassandraDaemon  cql    127.0.0.2  9042
 cassandra3 CassandraDaemon  cql    127.0.0.3  9042
 "
+SECURE_SERVERS="
+redis      redis-server     redis-tls  127.0.0.1  6379
+kafka      kafka.Kafka      kafka-tls  127.0.0.1  9092
+cassandra  CassandraDaemon  cql-tls    127.0.0.1  9042
+"
 SERVERS=$SINGLE_SERVERS
+SERVERS_MODE=single
+# Extra arguments of the next Kafka storage format (SCRAM users).
+FORMAT_EXTRA=()
+# shellcheck source=stack/secure.sh
+. "$CONF/secure.sh"
 
 mode() { if [ -f "$MODE_FILE" ]; then cat "$MODE_FILE"; else echo single; fi; }
 use_mode() {
     case "$1" in
         single) SERVERS=$SINGLE_SERVERS ;;
         cluster) SERVERS=$CLUSTER_SERVERS ;;
+        secure) SERVERS=$SECURE_SERVERS ;;
         *) die "unknown stack mode $1" ;;
     esac
+    SERVERS_MODE=$1
 }
 
 # Prints the table row of one server, or dies.
@@ -207,9 +229,10 @@ launch_unless_running() {
         log "a $name not started by this script answers on $host:$port; using it"
         return 1
     else
-        case "$name" in
-            cassandra[1-3]) launch_cassandra_node "$name" "$host" "${name#cassandra}" ;;
-            kafka[1-3]) launch_kafka_node "$name" "$host" "${name#kafka}" ;;
+        case "$SERVERS_MODE:$name" in
+            secure:*) "launch_secure_$name" ;;
+            *:cassandra[1-3]) launch_cassandra_node "$name" "$host" "${name#cassandra}" ;;
+            *:kafka[1-3]) launch_kafka_node "$name" "$host" "${name#kafka}" ;;
             *) "launch_$name" ;;
         esac
     fi
@@ -270,7 +293,7 @@ cassandra_jvm() {
         -Dio.netty.tryReflectionSetAccessible=true \
         -Dio.netty.allocator.useCacheForAllThreads=true -Dio.netty.allocator.maxOrder=11 \
         -Dcassandra.config="file://$yaml" \
-        -Dcassandra.storagedir="$STACK/$name/data" \
+        -Dcassandra.storagedir="${NODE_DATA:-$STACK/$name/data}" \
         -Dcassandra.logdir="$LOGS/$name" \
         -Dlogback.configurationFile="$CONF/cassandra/logback.xml" \
         -Dcassandra-foreground=yes \
@@ -313,13 +336,14 @@ launch_cassandra_node() {
 # (log.dirs appended here), $3 heap, $4 the cluster id to format with.
 kafka_jvm() {
     local name=$1 base=$2 heap=$3 cluster_id=$4
-    local data="$STACK/$name/data" props="$STACK/$name/server.properties"
+    local dir=${NODE_DIR:-$STACK/$name}
+    local data="$dir/data" props="$dir/server.properties"
     mkdir -p "$data" "$LOGS/$name"
     { cat "$base"; echo "log.dirs=$data"; } >"$props"
     local java=("$JAVA_HOME/bin/java" -cp "$STACK/lib/kafka/*"
         -Dlog4j2.configurationFile="$CONF/kafka/log4j2.xml" -Dkafka.logs.dir="$LOGS/$name")
     if [ ! -f "$data/meta.properties" ]; then
-        "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" \
+        "${java[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$props" "${FORMAT_EXTRA[@]}" \
             >>"$LOGS/$name/format.log" 2>&1 || die "formatting $name storage failed, see $LOGS/$name/format.log"
     fi
     log "starting $name (heap $heap), log $LOGS/$name/kafka.log"
@@ -429,7 +453,8 @@ main() {
             case "${2:-}" in
                 "") ;;
                 --cluster) want=cluster ;;
-                *) die "unknown option ${2}; usage: $0 up [--cluster]" ;;
+                --secure) want=secure ;;
+                *) die "unknown option ${2}; usage: $0 up [--cluster|--secure]" ;;
             esac
             if [ "$(mode)" != "$want" ] && any_running; then
                 die "the $(mode) stack is running; run '$0 down' first (both use 127.0.0.1:9042 and :9092)"
@@ -443,8 +468,11 @@ main() {
                 if launch_unless_running "$name"; then launched+=("$name"); fi
             done
             for name in "${launched[@]}"; do await "$name"; done
+            [ "$want" = secure ] && secure_setup
             if [ "$want" = cluster ]; then
                 log "cluster is up: cassandra and kafka on 127.0.0.1-3 (:9042, :9092), redis 127.0.0.1:6379 (logs in $LOGS)"
+            elif [ "$want" = secure ]; then
+                log "secure stack is up: cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092 (SASL_SSL), redis 127.0.0.1:6379, all TLS (logs in $LOGS)"
             else
                 log "stack is up: cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (logs in $LOGS)"
             fi
@@ -506,7 +534,7 @@ main() {
             cassandra_tool org.apache.cassandra.tools.SSTablePartitions "$@"
             ;;
         *)
-            echo "usage: $0 install|up [--cluster]|down|status|logs|start|stop|restart|pid SERVER|nodetool ARGS|sstablepartitions ARGS" >&2
+            echo "usage: $0 install|up [--cluster|--secure]|down|status|logs|start|stop|restart|pid SERVER|nodetool ARGS|sstablepartitions ARGS" >&2
             exit 2
             ;;
     esac

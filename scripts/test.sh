@@ -3,7 +3,8 @@
 # clippy with warnings denied, and the tidy test (the architecture's
 # invariants). Then unit and property tests and the integration tests against
 # the real local stack (started here if it is not running), a check that
-# the benches still compile, and last the cluster run on a three-node
+# the benches still compile, the secure run (TLS and logins to every store,
+# `stack.sh up --secure`), and last the cluster run on a three-node
 # Cassandra and three Kafka brokers (which replace the single node).
 #
 #   scripts/test.sh [extra cargo test args]
@@ -24,8 +25,8 @@ cargo clippy --locked --all-targets -- -D warnings
 echo "[test] tidy (the invariants in ARCHITECTURE.md)"
 cargo test --locked --test tidy
 
-# A cluster left up by an interrupted run holds the single node's ports.
-if [ "$(scripts/stack.sh status | head -1)" = "mode: cluster" ]; then scripts/stack.sh down; fi
+# A cluster or secure stack left up by an interrupted run holds the single node's ports.
+if [ "$(scripts/stack.sh status | head -1)" != "mode: single" ]; then scripts/stack.sh down; fi
 scripts/stack.sh up
 
 # Two tests use tools from PyPI: a real OpenAPI 3.1 validator, and
@@ -52,12 +53,20 @@ cargo test --locked --features third-reaction --lib --test it -- reactions:: dom
 echo "[test] benches compile"
 cargo bench --locked --no-run
 
+# The secure run: the same servers wanting TLS and logins (a throwaway CA,
+# Cassandra roles, Kafka SCRAM users with ACLs, a Redis ACL user); tally
+# must work with the credentials and stop, naming the store, without them.
+echo "[test] the secure run (scripts/stack.sh up --secure)"
+scripts/stack.sh down
+scripts/stack.sh up --secure
+cargo test --locked --test secure -- --nocapture
+scripts/stack.sh down
+
 # The cluster run: three Cassandra nodes and three Kafka brokers in place of
 # the single node, nodes killed, paused and cut off under load. Set
 # TALLY_SKIP_CLUSTER=1 to leave it out of a local run.
 if [ "${TALLY_SKIP_CLUSTER:-0}" != 1 ]; then
     echo "[test] the cluster run (scripts/stack.sh up --cluster)"
-    scripts/stack.sh down
     scripts/stack.sh up --cluster
     cargo test --locked --test cluster -- --nocapture
     scripts/stack.sh down

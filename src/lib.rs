@@ -14,5 +14,6 @@ pub mod metrics;
 pub mod ops;
 pub mod reconcile;
 pub mod relay;
+pub mod secret;
 pub mod store;
 pub mod telemetry;

@@ -4,11 +4,16 @@
     probe.py cql HOST PORT     CQL OPTIONS -> SUPPORTED
     probe.py kafka HOST PORT   ApiVersions -> a well-formed response
     probe.py redis HOST PORT   PING -> +PONG
+    probe.py KIND-tls HOST PORT  the same over TLS, trusting the CA file in
+                               $PROBE_CA; a Redis that wants a login first
+                               may answer -NOAUTH
 
 Exit 0 when the server answered as expected, 1 otherwise. Stdlib only, so it
 runs before anything is installed.
 """
+import os
 import socket
+import ssl
 import struct
 import sys
 
@@ -47,14 +52,26 @@ def redis(sock):
     return recv_exact(sock, 7) == b"+PONG\r\n"
 
 
+def redis_tls(sock):
+    sock.sendall(b"PING\r\n")
+    return recv_exact(sock, 7) in (b"+PONG\r\n", b"-NOAUTH")
+
+
 def main():
     kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    check = {"cql": cql, "kafka": kafka, "redis": redis}[kind]
+    checks = {"cql": cql, "kafka": kafka, "redis": redis}
+    checks.update({"cql-tls": cql, "kafka-tls": kafka, "redis-tls": redis_tls})
+    check = checks[kind]
     try:
-        with socket.create_connection((host, port), timeout=3) as sock:
-            sock.settimeout(3)
-            ok = check(sock)
-    except (OSError, ConnectionError, struct.error):
+        with socket.create_connection((host, port), timeout=3) as raw:
+            raw.settimeout(3)
+            if kind.endswith("-tls"):
+                context = ssl.create_default_context(cafile=os.environ["PROBE_CA"])
+                with context.wrap_socket(raw, server_hostname=host) as sock:
+                    ok = check(sock)
+            else:
+                ok = check(raw)
+    except (OSError, ConnectionError, struct.error, KeyError):
         ok = False
     sys.exit(0 if ok else 1)
 

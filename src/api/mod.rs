@@ -169,6 +169,9 @@ impl Application {
         let verifier = web::Data::new(Verifier::from_config(&config.auth)?);
         let store = Arc::new(Store::open(&config.stores.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
+        // A wrong password or CA is a setting to fix, not an outage to ride out.
+        cache.check_login().await?;
+        config.stores.kafka.check_login().await?;
         let counts = Counts::new(cache.clone(), store.clone());
         let publisher = Publisher::new(&config.stores.kafka, config.publish_timeout)?;
         let caster = Caster::new(

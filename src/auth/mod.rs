@@ -8,7 +8,8 @@ mod verify;
 pub use mint::{TokenArgs, mint};
 pub use verify::Verifier;
 
-use std::fmt;
+pub use crate::secret::Secret;
+
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -16,37 +17,6 @@ use jsonwebtoken::Algorithm;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::UserId;
-
-/// A secret that never prints.
-#[derive(Clone)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Secret {
-        Secret(s.into())
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(***)")
-    }
-}
-
-impl std::str::FromStr for Secret {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.is_empty() {
-            return Err("the JWT secret is empty".into());
-        }
-        Ok(Secret(s.to_owned()))
-    }
-}
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JwtAlgorithm {

@@ -1,25 +1,58 @@
 //! The only code that speaks Redis: the per-target count cache.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use deadpool_redis::{Config, Pool, Runtime};
-use redis::Script;
+use deadpool_redis::{Pool, Runtime};
+use redis::{IntoConnectionInfo, Script};
 
 use crate::bus::{KafkaConfig, lag};
 use crate::domain::reaction::N_COUNTED;
 use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, Totals, UserId};
+use crate::secret::Secret;
 use crate::store::stats::Heads;
 
 /// Where Redis is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RedisConfig {
-    /// Redis URL of the count cache.
+    /// Redis URL of the count cache; `rediss://` speaks TLS. Keep the
+    /// password out of it: use `--redis-password`.
     #[arg(long = "redis-url", env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub url: String,
+
+    /// ACL user to log in as.
+    #[arg(
+        long = "redis-user",
+        id = "redis_user",
+        value_name = "USER",
+        env = "TALLY_REDIS_USER",
+        requires = "redis_password"
+    )]
+    pub user: Option<String>,
+
+    /// That user's password (alone: the `default` user's).
+    #[arg(
+        long = "redis-password",
+        id = "redis_password",
+        value_name = "PASSWORD",
+        env = "TALLY_REDIS_PASSWORD",
+        hide_env_values = true
+    )]
+    pub password: Option<Secret>,
+
+    /// With `rediss://`, trust the certificate authorities in this PEM file
+    /// rather than the system's.
+    #[arg(
+        long = "redis-tls-ca",
+        id = "redis_tls_ca",
+        value_name = "FILE",
+        env = "TALLY_REDIS_TLS_CA"
+    )]
+    pub tls_ca: Option<PathBuf>,
 
     /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
     #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally")]
@@ -37,14 +70,60 @@ impl RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             prefix: prefix.into(),
             timeout: Duration::from_millis(500),
+            user: None,
+            password: None,
+            tls_ca: None,
         }
+    }
+
+    /// Where and as whom to connect, with the CA if one is given.
+    fn connection_info(&self) -> anyhow::Result<redis::ConnectionInfo> {
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .with_context(|| format!("Bad Redis URL {}", without_password(&self.url)))?;
+        if let Some(password) = &self.password {
+            info.redis.password = Some(password.expose().to_owned());
+            info.redis.username = self.user.clone();
+        }
+        let Some(ca) = &self.tls_ca else {
+            return Ok(info);
+        };
+        anyhow::ensure!(
+            matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }),
+            "--redis-tls-ca needs a rediss:// URL"
+        );
+        let root_cert = std::fs::read(ca)
+            .with_context(|| format!("Cannot read the Redis CA file {}", ca.display()))?;
+        let certificates = redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root_cert),
+        };
+        let client =
+            redis::Client::build_with_tls(info, certificates).context("Bad Redis TLS settings")?;
+        Ok(client.get_connection_info().clone())
+    }
+}
+
+/// A URL as it may be printed: any password in it replaced.
+fn without_password(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
     }
 }
 
 pub fn pool(config: &RedisConfig) -> anyhow::Result<Pool> {
-    Config::from_url(&config.url)
-        .create_pool(Some(Runtime::Tokio1))
-        .with_context(|| format!("Bad Redis URL {}", config.url))
+    let manager =
+        deadpool_redis::Manager::new(config.connection_info()?).context("Bad Redis settings")?;
+    Pool::builder(manager)
+        .config(deadpool_redis::PoolConfig::default())
+        .runtime(Runtime::Tokio1)
+        .build()
+        .context("Cannot build the Redis pool")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -484,6 +563,34 @@ impl Cache {
         let del = redis::cmd("DEL").arg(self.key(target)).to_owned();
         self.within(async { Ok(del.query_async(&mut self.conn().await?).await?) })
             .await
+    }
+
+    /// Fails when Redis refuses tally's login (a wrong user, password or
+    /// CA); a Redis that does not answer is only reported: the cache is
+    /// rebuilt from Cassandra, and tally works through its outage.
+    pub async fn check_login(&self) -> anyhow::Result<()> {
+        let Err(e) = self.ping().await else {
+            return Ok(());
+        };
+        let refused = |r: &redis::RedisError| {
+            r.kind() == redis::ErrorKind::AuthenticationFailed
+                || matches!(r.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+                || r.to_string().contains("certificate")
+        };
+        let cause = match &e {
+            CacheError::Redis(r) => Some(r),
+            CacheError::Pool(deadpool_redis::PoolError::Backend(r)) => Some(r),
+            _ => None,
+        };
+        match cause {
+            Some(r) if refused(r) => Err(anyhow::anyhow!(
+                "Redis refused the login or the TLS settings: {r}"
+            )),
+            _ => {
+                tracing::warn!(error = %anyhow::Error::new(e), "Redis does not answer yet; going on without the cache");
+                Ok(())
+            }
+        }
     }
 
     pub async fn ping(&self) -> Result<(), CacheError> {

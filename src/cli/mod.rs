@@ -3,6 +3,7 @@
 mod reconcile;
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -35,7 +36,7 @@ pub enum Command {
     /// Serve the HTTP vote API (POST /v1/votes, GET /v1/votes/summary).
     Vote(Box<ApiConfig>),
     /// Count published transitions exactly once into per-target totals.
-    Consumer(ConsumerConfig),
+    Consumer(Box<ConsumerConfig>),
     /// Recount totals from the per-user rows and repair drift.
     Reconcile(reconcile::ReconcileArgs),
     /// Create the keyspace, apply pending CQL migrations, create the Kafka topics.
@@ -82,7 +83,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Consumer(config) => consumer(config).await,
+        Command::Consumer(config) => consumer(*config).await,
         Command::Reconcile(args) => reconcile::run(args).await,
     }
 }
@@ -96,6 +97,16 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
         args.stats_buckets,
     )
     .await?;
+    match args.kafka.reach(Duration::from_secs(30)).await? {
+        bus::Reach::Answered => {}
+        bus::Reach::Refused(reason) => anyhow::bail!(
+            "Kafka at {} refused the login or the TLS settings: {reason}",
+            args.kafka.brokers
+        ),
+        bus::Reach::Silent => {
+            anyhow::bail!("Kafka at {} did not answer within 30 s", args.kafka.brokers)
+        }
+    }
     let topics = bus::admin::ensure_topics(&args.kafka, args.partitions, args.topic_replication)
         .await
         .context("Failed to create the Kafka topics")?;

@@ -122,6 +122,9 @@ pub async fn run(
     let source = Source::join(&config.stores.kafka, &config.group)?;
     let dead_letters = DeadLetters::new(&config.stores.kafka)?;
     let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
+    // A wrong password or CA is a setting to fix, not an outage to ride out.
+    cache.check_login().await?;
+    config.stores.kafka.check_login().await?;
     let ttl_task = tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
         cache.clone(),
         config.stores.kafka.clone(),

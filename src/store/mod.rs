@@ -9,6 +9,7 @@ pub mod reactions;
 pub mod stats;
 pub mod targets;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +22,7 @@ use scylla::policies::load_balancing::DefaultPolicy;
 use scylla::statement::{Consistency, SerialConsistency};
 
 use crate::domain::{Layout, UserId};
+use crate::secret::Secret;
 
 /// Where Cassandra is and how to talk to it.
 #[derive(clap::Args, Debug, Clone)]
@@ -60,6 +62,37 @@ pub struct CassandraConfig {
         default_value_t = SerialScope::LocalSerial
     )]
     pub serial: SerialScope,
+
+    /// Role to log in as (Cassandra's PasswordAuthenticator).
+    #[arg(
+        long = "cassandra-user",
+        id = "cassandra_user",
+        value_name = "USER",
+        env = "TALLY_CASSANDRA_USER",
+        requires = "cassandra_password"
+    )]
+    pub user: Option<String>,
+
+    /// That role's password.
+    #[arg(
+        long = "cassandra-password",
+        id = "cassandra_password",
+        value_name = "PASSWORD",
+        env = "TALLY_CASSANDRA_PASSWORD",
+        hide_env_values = true,
+        requires = "cassandra_user"
+    )]
+    pub password: Option<Secret>,
+
+    /// Speak TLS to Cassandra, trusting the certificate authorities in this
+    /// PEM file; each node's certificate must name its address.
+    #[arg(
+        long = "cassandra-tls-ca",
+        id = "cassandra_tls_ca",
+        value_name = "FILE",
+        env = "TALLY_CASSANDRA_TLS_CA"
+    )]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// The two ways tally can run Paxos; see `--serial-consistency`.
@@ -112,8 +145,22 @@ impl CassandraConfig {
             local_dc: None,
             request_timeout_ms: 5000,
             serial: SerialScope::LocalSerial,
+            user: None,
+            password: None,
+            tls_ca: None,
         }
     }
+}
+
+/// A TLS context that trusts only the CAs in `ca` and checks the peer.
+fn tls_context(ca: &Path) -> anyhow::Result<openssl::ssl::SslContext> {
+    use openssl::ssl::{SslContextBuilder, SslMethod, SslVerifyMode};
+    let mut builder = SslContextBuilder::new(SslMethod::tls_client())?;
+    builder
+        .set_ca_file(ca)
+        .with_context(|| format!("Cannot read the Cassandra CA file {}", ca.display()))?;
+    builder.set_verify(SslVerifyMode::PEER);
+    Ok(builder.build())
 }
 
 /// Opens a session (no keyspace selected). Statements that need other levels
@@ -132,17 +179,27 @@ pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
         .request_timeout(Some(Duration::from_millis(config.request_timeout_ms)))
         .load_balancing_policy(policy.build())
         .build();
-    let session = SessionBuilder::new()
+    let mut builder = SessionBuilder::new()
         .known_nodes(&config.nodes)
-        .default_execution_profile_handle(profile.into_handle())
-        .build()
-        .await
-        .with_context(|| {
-            format!(
-                "Failed to connect to Cassandra at {}",
-                config.nodes.join(",")
-            )
-        })?;
+        .default_execution_profile_handle(profile.into_handle());
+    if let (Some(user), Some(password)) = (&config.user, &config.password) {
+        builder = builder.user(user, password.expose());
+    }
+    if let Some(ca) = &config.tls_ca {
+        builder = builder.tls_context(Some(tls_context(ca)?));
+    }
+    let session = builder.build().await.with_context(|| {
+        format!(
+            "Failed to connect to Cassandra at {}{}",
+            config.nodes.join(","),
+            match (&config.user, &config.tls_ca) {
+                (Some(user), Some(_)) => format!(" over TLS as {user}"),
+                (Some(user), None) => format!(" as {user}"),
+                (None, Some(_)) => " over TLS".into(),
+                (None, None) => String::new(),
+            }
+        )
+    })?;
     let datacenters: Vec<String> = session
         .get_cluster_state()
         .get_nodes_info()

@@ -24,6 +24,8 @@ pub struct TestEnv {
     pub redis: RedisConfig,
     pub group: String,
     pub session: Session,
+    /// Variables every `tally` this test runs gets (the secure stack's logins).
+    pub cli_env: Vec<(String, String)>,
 }
 
 /// The addresses of the cluster `scripts/stack.sh up --cluster` starts.
@@ -49,6 +51,39 @@ impl TestEnv {
         kafka.brokers = CLUSTER_HOSTS.map(|h| format!("{h}:9092")).join(",");
         let replication = Replication::NetworkTopology(vec![("dc1".into(), 3)]);
         TestEnv::create(id, cassandra, kafka, replication, 3).await
+    }
+
+    /// On the secure stack (`scripts/stack.sh up --secure`), as the
+    /// migrating role (`admin.env`): TLS and logins to all three stores. Its
+    /// topics and group carry the prefixes the stack's ACLs name: `tx-`
+    /// transitions, `dlq-` dead letters, `g-` groups.
+    pub async fn on_secure_stack() -> TestEnv {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let vars = secure_vars("admin");
+        let var = |name: &str| {
+            vars.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| panic!("{name} missing from admin.env"))
+        };
+        let mut cassandra = CassandraConfig::local(&format!("t_{id}"));
+        cassandra.user = Some(var("TALLY_CASSANDRA_USER"));
+        cassandra.password = Some(tally::secret::Secret::new(var("TALLY_CASSANDRA_PASSWORD")));
+        cassandra.tls_ca = Some(var("TALLY_CASSANDRA_TLS_CA").into());
+        let mut kafka = KafkaConfig::local(&format!("tx-{id}"));
+        kafka.dead_letter_topic = format!("dlq-{id}");
+        kafka.security = bus::KafkaSecurity::SaslSsl;
+        kafka.user = Some(var("TALLY_KAFKA_USER"));
+        kafka.password = Some(tally::secret::Secret::new(var("TALLY_KAFKA_PASSWORD")));
+        kafka.tls_ca = Some(var("TALLY_KAFKA_TLS_CA").into());
+        let mut env = TestEnv::create(id, cassandra, kafka, Replication::Simple(1), 1).await;
+        env.redis.url = var("TALLY_REDIS_URL");
+        env.redis.user = Some(var("TALLY_REDIS_USER"));
+        env.redis.password = Some(tally::secret::Secret::new(var("TALLY_REDIS_PASSWORD")));
+        env.redis.tls_ca = Some(var("TALLY_REDIS_TLS_CA").into());
+        env.group = format!("g-{}", env.id);
+        env.cli_env = vars;
+        env
     }
 
     async fn create(
@@ -82,8 +117,27 @@ impl TestEnv {
             kafka,
             redis,
             session,
+            cli_env: Vec::new(),
         }
     }
+}
+
+/// The TALLY_* variables of one role of the secure stack
+/// (`.stack/secure/{role}.env`, written by `scripts/stack.sh up --secure`).
+pub fn secure_vars(role: &str) -> Vec<(String, String)> {
+    let dir = std::env::var_os("TALLY_STACK_DIR")
+        .map_or_else(|| super::stack::root().join(".stack"), Into::into);
+    let path = dir.join("secure").join(format!("{role}.env"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (is `scripts/stack.sh up --secure` up?)",
+            path.display()
+        )
+    });
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
 }
 
 impl TestEnv {
@@ -191,7 +245,8 @@ impl TestEnv {
             .env("TALLY_CONSUMER_GROUP", &self.group)
             .env("TALLY_REDIS_PREFIX", &self.redis.prefix)
             .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", "warn")
+            .envs(self.cli_env.iter().map(|(k, v)| (k, v)));
         cmd
     }
 }
