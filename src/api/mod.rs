@@ -166,7 +166,7 @@ impl Application {
     /// Connects to every dependency, prepares every statement and binds the
     /// listener; the server runs once `run_until_stopped` is awaited.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
-        let verifier = web::Data::new(Verifier::from_config(&config.auth)?);
+        let verifier = web::Data::new(Verifier::build(&config.auth).await?);
         let store = Arc::new(Store::open(&config.stores.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
         // A wrong password or CA is a setting to fix, not an outage to ride out.

@@ -2,6 +2,7 @@
 //! never a field of the request. `verify` checks tokens; `mint` makes them
 //! for development (`tally token`). Both read keys through `read_pem`.
 
+mod jwks;
 mod mint;
 mod verify;
 
@@ -63,6 +64,21 @@ pub struct AuthConfig {
     #[arg(long = "jwt-public-key", env = "TALLY_JWT_PUBLIC_KEY")]
     pub public_key: Option<PathBuf>,
 
+    /// The identity provider's JWK set that verifies RS256/ES256 tokens by
+    /// their `kid`: an `https://` URL or a file, read at start and again
+    /// every `--jwt-jwks-refresh`, and soon after a token names an unknown
+    /// key id (a rotation).
+    #[arg(
+        long = "jwt-jwks",
+        env = "TALLY_JWT_JWKS",
+        value_name = "URL|FILE",
+        conflicts_with = "public_key"
+    )]
+    pub jwks: Option<String>,
+
+    #[arg(long = "jwt-jwks-refresh", env = "TALLY_JWT_JWKS_REFRESH", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub jwks_refresh: std::time::Duration,
+
     /// PEM private key file that `tally token` signs RS256/ES256 tokens with.
     #[arg(long = "jwt-private-key", env = "TALLY_JWT_PRIVATE_KEY")]
     pub private_key: Option<PathBuf>,
@@ -85,6 +101,8 @@ impl AuthConfig {
             secret: Some(Secret::new(secret)),
             insecure_dev_secret: false,
             public_key: None,
+            jwks: None,
+            jwks_refresh: std::time::Duration::from_secs(300),
             private_key: None,
             issuer: None,
             audience: None,

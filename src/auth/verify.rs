@@ -3,17 +3,62 @@
 use anyhow::Context;
 use jsonwebtoken::{DecodingKey, Validation};
 
+use std::sync::Arc;
+
+use super::jwks::Jwks;
 use super::{AuthConfig, AuthError, Caller, Claims, JwtAlgorithm};
 use crate::domain::UserId;
 
-/// Verifies tokens with one pinned algorithm and key.
+/// Verifies tokens with one pinned algorithm and key, or the keys of a JWKS.
 pub struct Verifier {
-    key: DecodingKey,
+    keys: Keys,
     validation: Validation,
 }
 
+enum Keys {
+    One(DecodingKey),
+    /// Each token names its key by `kid`.
+    Set(Arc<Jwks>),
+}
+
 impl Verifier {
+    /// The verifier of `config`; with a JWKS, after its first read.
+    pub async fn build(config: &AuthConfig) -> anyhow::Result<Verifier> {
+        let Some(spec) = &config.jwks else {
+            return Verifier::from_config(config);
+        };
+        anyhow::ensure!(
+            config.algorithm != JwtAlgorithm::Hs256,
+            "--jwt-jwks holds public keys: use it with --jwt-algorithm RS256 or ES256"
+        );
+        let jwks = Jwks::load(spec, config.algorithm).await?;
+        jwks.keep_fresh(config.jwks_refresh);
+        Verifier::with_keys(config, Keys::Set(jwks))
+    }
+
+    /// The verifier of `config` with a secret or one public key (no JWKS).
     pub fn from_config(config: &AuthConfig) -> anyhow::Result<Verifier> {
+        let key = match config.algorithm {
+            JwtAlgorithm::Hs256 => DecodingKey::from_secret(config.hs256_secret()?),
+            alg => {
+                let path = config
+                    .public_key
+                    .as_ref()
+                    .context("RS256/ES256 need --jwt-public-key or --jwt-jwks")?;
+                let pem = super::read_pem(path)?;
+                match alg {
+                    JwtAlgorithm::Rs256 => DecodingKey::from_rsa_pem(&pem),
+                    _ => DecodingKey::from_ec_pem(&pem),
+                }
+                .with_context(|| {
+                    format!("{} is not a PEM public key for {alg:?}", path.display())
+                })?
+            }
+        };
+        Verifier::with_keys(config, Keys::One(key))
+    }
+
+    fn with_keys(config: &AuthConfig, keys: Keys) -> anyhow::Result<Verifier> {
         match (config.algorithm, &config.issuer, &config.audience) {
             (JwtAlgorithm::Hs256, None, _) | (JwtAlgorithm::Hs256, _, None) => {
                 tracing::warn!(
@@ -33,23 +78,6 @@ impl Verifier {
                 "--insecure-dev-secret: a short HS256 secret is accepted; never in production"
             );
         }
-        let key = match config.algorithm {
-            JwtAlgorithm::Hs256 => DecodingKey::from_secret(config.hs256_secret()?),
-            alg => {
-                let path = config
-                    .public_key
-                    .as_ref()
-                    .context("RS256/ES256 need --jwt-public-key")?;
-                let pem = super::read_pem(path)?;
-                match alg {
-                    JwtAlgorithm::Rs256 => DecodingKey::from_rsa_pem(&pem),
-                    _ => DecodingKey::from_ec_pem(&pem),
-                }
-                .with_context(|| {
-                    format!("{} is not a PEM public key for {alg:?}", path.display())
-                })?
-            }
-        };
         // One algorithm only: this is what refuses `alg: none` and an HS256
         // token signed with an RS256 public key.
         let mut validation = Validation::new(config.algorithm.algorithm());
@@ -70,7 +98,7 @@ impl Verifier {
             None => validation.validate_aud = false,
         }
         validation.set_required_spec_claims(&required);
-        Ok(Verifier { key, validation })
+        Ok(Verifier { keys, validation })
     }
 
     /// Checks an `Authorization` header value.
@@ -86,7 +114,22 @@ impl Verifier {
     }
 
     pub fn verify(&self, token: &str) -> Result<Caller, AuthError> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
+        let from_set;
+        let key = match &self.keys {
+            Keys::One(key) => key,
+            Keys::Set(jwks) => {
+                let header = jsonwebtoken::decode_header(token)
+                    .map_err(|e| AuthError::Invalid(e.to_string()))?;
+                let kid = header
+                    .kid
+                    .ok_or_else(|| AuthError::Invalid("the token names no key (kid)".into()))?;
+                from_set = jwks
+                    .key(&kid)
+                    .ok_or_else(|| AuthError::Invalid("the token's key (kid) is unknown".into()))?;
+                &from_set
+            }
+        };
+        let data = jsonwebtoken::decode::<Claims>(token, key, &self.validation)
             .map_err(|e| AuthError::Invalid(e.to_string()))?;
         let user =
             UserId::parse(&data.claims.sub).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;

@@ -12,4 +12,5 @@ mod rejections;
 mod served;
 mod smoke;
 mod support;
+mod tokens;
 mod votes;
