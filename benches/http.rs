@@ -306,6 +306,9 @@ impl Api {
             .env("TALLY_USER_BURST", "10000")
             .env("TALLY_USER_READ_RATE", "10000")
             .env("TALLY_USER_READ_BURST", "10000")
+            .env("TALLY_USER_NEW_TARGETS_RATE", "10000")
+            .env("TALLY_USER_NEW_TARGETS_BURST", "10000")
+            .env("TALLY_USER_DAILY_VOTES", "100000000")
             .env("TALLY_CONSUMER_GROUP", group)
             .env("TALLY_LOG_FORMAT", "json")
             .env("RUST_LOG", "warn");

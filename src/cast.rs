@@ -207,6 +207,12 @@ impl Caster {
         }
     }
 
+    /// Whether this process registered the target recently, so a vote on
+    /// it writes nothing to the registry.
+    pub fn knows_target(&self, target: &TargetId) -> bool {
+        self.store.targets.remembers(target)
+    }
+
     pub async fn cast(
         &self,
         user: &UserId,

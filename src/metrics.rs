@@ -42,6 +42,8 @@ pub const REPLAYS_REPUBLISHED: &str = "tally_replays_republished_total";
 /// Whether each dependency answered its last check (1) or not (0).
 pub const DEPENDENCY_UP: &str = "tally_dependency_up";
 /// Events sent to the dead-letter topic, by cause (invalid, parked).
+/// Votes taken without checking the user's count of the day (Redis did not answer).
+pub const DAILY_UNCHECKED: &str = "tally_daily_limit_unchecked_total";
 pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
 pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
@@ -153,6 +155,10 @@ fn describe() {
     describe_gauge!(
         DEPENDENCY_UP,
         "whether a dependency answered its last check (1) or not (0)"
+    );
+    describe_counter!(
+        DAILY_UNCHECKED,
+        "votes taken without checking the user's count of the day, because Redis did not answer"
     );
     describe_counter!(
         DEAD_LETTERED,

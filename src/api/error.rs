@@ -35,6 +35,10 @@ pub enum ApiError {
     RateLimited(std::time::Duration),
     #[error("too many reads from this user; retry after {} s", .0.as_secs().max(1))]
     ReadsLimited(std::time::Duration),
+    #[error("too many votes on targets new to this service from this user; retry after {} s", .0.as_secs().max(1))]
+    NewTargetsLimited(std::time::Duration),
+    #[error("this user reached the day's vote limit ({0}); it resets at 00:00 UTC")]
+    DailyLimit(u64, std::time::Duration),
     #[error("the service is at capacity; nothing was changed, retry")]
     Overloaded,
     #[error(
@@ -68,6 +72,8 @@ impl ApiError {
             ApiError::KeyReused => "idempotency_key_reused",
             ApiError::Contention => "contention",
             ApiError::RateLimited(_) | ApiError::ReadsLimited(_) => "rate_limited",
+            ApiError::NewTargetsLimited(_) => "new_targets_limited",
+            ApiError::DailyLimit(..) => "daily_limit",
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::OutcomeUnknown(_) => "outcome_unknown",
@@ -105,7 +111,10 @@ impl ResponseError for ApiError {
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Contention => StatusCode::CONFLICT,
-            ApiError::RateLimited(_) | ApiError::ReadsLimited(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::RateLimited(_)
+            | ApiError::ReadsLimited(_)
+            | ApiError::NewTargetsLimited(_)
+            | ApiError::DailyLimit(..) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unavailable(_) | ApiError::OutcomeUnknown(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -145,7 +154,10 @@ impl ResponseError for ApiError {
             ApiError::MethodNotAllowed(allow) => {
                 res.insert_header((header::ALLOW, *allow));
             }
-            ApiError::RateLimited(wait) | ApiError::ReadsLimited(wait) => {
+            ApiError::RateLimited(wait)
+            | ApiError::ReadsLimited(wait)
+            | ApiError::NewTargetsLimited(wait)
+            | ApiError::DailyLimit(_, wait) => {
                 res.insert_header((header::RETRY_AFTER, wait.as_secs().max(1).to_string()));
             }
             _ => {}

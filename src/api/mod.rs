@@ -8,6 +8,7 @@ pub mod error;
 pub mod limit;
 pub mod openapi;
 pub mod summary;
+pub mod targets;
 pub mod votes;
 
 use std::net::TcpListener;
@@ -79,6 +80,32 @@ pub struct ApiConfig {
     #[arg(long = "user-read-rate", env = "TALLY_USER_READ_RATE", default_value_t = 50.0)]
     pub user_read_rate: f64,
 
+    /// Votes each user may cast in one UTC day (counted in Redis; 429
+    /// `daily_limit` beyond it). It bounds the idempotency records a user
+    /// can pile into their partition.
+    #[arg(long = "user-daily-votes", env = "TALLY_USER_DAILY_VOTES", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub user_daily_votes: u64,
+
+    /// Votes per second each user may cast on targets this process has not
+    /// seen (each one a registry write; 429 `new_targets_limited` beyond it).
+    #[arg(
+        long = "user-new-targets-rate",
+        env = "TALLY_USER_NEW_TARGETS_RATE",
+        default_value_t = 2.0
+    )]
+    pub user_new_targets_rate: f64,
+
+    /// Burst of such votes a user may cast at once.
+    #[arg(
+        long = "user-new-targets-burst",
+        env = "TALLY_USER_NEW_TARGETS_BURST",
+        default_value_t = 100
+    )]
+    pub user_new_targets_burst: u32,
+
+    #[command(flatten)]
+    pub targets: targets::TargetRules,
+
     /// Burst of summary reads a user may make at once.
     #[arg(long = "user-read-burst", env = "TALLY_USER_READ_BURST", default_value_t = 100)]
     pub user_read_burst: u32,
@@ -138,6 +165,12 @@ pub struct AppState {
     pub limiter: limit::UserLimiter,
     /// Each user's summary reads, apart from their votes.
     pub readers: limit::UserLimiter,
+    /// Each user's votes on targets this process has not registered.
+    pub new_targets: limit::UserLimiter,
+    pub targets: targets::TargetPolicy,
+    /// Where each user's votes of the day are counted.
+    pub cache: Cache,
+    pub daily_votes: u64,
     /// Admission of votes and of summaries, each adapting on its own.
     pub votes: Arc<admission::Admission>,
     pub summaries: Arc<admission::Admission>,
@@ -220,6 +253,13 @@ impl Application {
             reconciler,
             limiter,
             readers: limit::UserLimiter::new(config.user_read_rate, config.user_read_burst),
+            new_targets: limit::UserLimiter::new(
+                config.user_new_targets_rate,
+                config.user_new_targets_burst,
+            ),
+            targets: targets::TargetPolicy::new(&config.targets)?,
+            cache: cache.clone(),
+            daily_votes: config.user_daily_votes,
             votes: admission::Admission::new("vote", admission),
             summaries: admission::Admission::new("summary", admission),
             slow_request: config.slow_request,

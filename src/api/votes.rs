@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::{AppState, RequestId};
 use crate::auth::Caller;
 use crate::cast::Vote;
-use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType};
+use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
 /// Largest accepted body. A vote is about 100 bytes.
 pub const MAX_BODY: usize = 4096;
@@ -35,17 +35,20 @@ pub async fn cast(
 ) -> Result<HttpResponse, ApiError> {
     let key = idempotency_key(req.headers())?;
     let vote = parse_vote(req.headers(), payload).await?;
-    if let Err(wait) = state.limiter.check(&caller.user) {
+    if let Some(why) = state.targets.refuses(&vote.target_id, vote.target_type) {
+        return Err(ApiError::bad_request("target_not_allowed", why));
+    }
+    if let Some(refusal) = over_a_limit(&state, &caller.user, &vote).await {
         // A retry of a vote that already committed still gets its answer:
-        // the limit is on new votes, not on learning what happened to one.
-        // One read, and only for a user who is over the limit.
+        // the limits are on new votes, not on learning what happened to one.
+        // One read, and only for a user who is over a limit.
         return match state
             .caster
             .recorded(&caller.user, &key, &vote, &request_id.0)
             .await
         {
             Some(answer) => respond(answer),
-            None => Err(ApiError::RateLimited(wait)),
+            None => Err(refusal),
         };
     }
     // The vote runs in a task of its own: a client that hangs up (actix
@@ -70,6 +73,32 @@ pub async fn cast(
             ApiError::OutcomeUnknown(anyhow::Error::new(e).context("the vote's task failed"))
         })??;
     respond(answer)
+}
+
+/// The first limit this vote would pass, if any: the user's rate, their
+/// rate of votes on targets this process has not registered, and their
+/// votes of the day. A Redis that does not answer leaves the day's count
+/// unchecked rather than refusing votes.
+async fn over_a_limit(state: &AppState, user: &UserId, vote: &Vote) -> Option<ApiError> {
+    if let Err(wait) = state.limiter.check(user) {
+        return Some(ApiError::RateLimited(wait));
+    }
+    if !state.caster.knows_target(&vote.target_id)
+        && let Err(wait) = state.new_targets.check(user)
+    {
+        return Some(ApiError::NewTargetsLimited(wait));
+    }
+    match state.cache.count_vote_today(user).await {
+        Ok((count, until_tomorrow)) if count > state.daily_votes => {
+            Some(ApiError::DailyLimit(state.daily_votes, until_tomorrow))
+        }
+        Ok(_) => None,
+        Err(e) => {
+            metrics::counter!(crate::metrics::DAILY_UNCHECKED).increment(1);
+            tracing::debug!(error = %anyhow::Error::new(e), "the day's vote count is unchecked");
+            None
+        }
+    }
 }
 
 /// The HTTP answer to a vote, marked when it is a stored one given again.

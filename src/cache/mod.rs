@@ -565,6 +565,24 @@ impl Cache {
             .await
     }
 
+    /// Counts one more vote of `user` today (UTC) and returns the day's
+    /// count so far, with the time until the day ends. The count lives two
+    /// days, then expires.
+    pub async fn count_vote_today(&self, user: &UserId) -> Result<(u64, Duration), CacheError> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let (day, into_day) = (now / 86_400, now % 86_400);
+        let key = format!("{}:daily:{}:{day}", self.prefix, user.as_str());
+        let mut pipe = redis::pipe();
+        pipe.incr(&key, 1).expire(&key, 2 * 86_400);
+        let (count, _): (u64, i64) = self
+            .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
+            .await?;
+        Ok((count, Duration::from_secs(86_400 - into_day)))
+    }
+
     /// Fails when Redis refuses tally's login (a wrong user, password or
     /// CA); a Redis that does not answer is only reported: the cache is
     /// rebuilt from Cassandra, and tally works through its outage.

@@ -66,6 +66,12 @@ impl Targets {
         })
     }
 
+    /// Whether this process registered the target recently (a vote on it
+    /// writes nothing to the registry).
+    pub fn remembers(&self, target: &TargetId) -> bool {
+        self.registered.lock().is_ok_and(|s| s.contains(target))
+    }
+
     /// Records that the target has reactions. Called before a first reaction
     /// commits; skipped when this process registered it recently.
     pub async fn register(&self, target: &TargetId, kind: TargetType) -> Result<(), StoreError> {

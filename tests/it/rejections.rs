@@ -728,3 +728,146 @@ async fn a_flood_of_reads_from_one_user_gets_429_and_other_users_still_read() ->
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn votes_on_target_types_or_ids_the_service_does_not_take_are_refused_and_write_nothing()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        targets: tally::api::targets::TargetRules {
+            types: vec![tally::domain::TargetType::Video],
+            patterns: vec!["video=v_[0-9]{3}".into()],
+        },
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let send = |target: &str, kind: &str| {
+        app.send(
+            app.client
+                .post(format!("{}/v1/votes", app.address))
+                .bearer_auth(token("picky"))
+                .header("Idempotency-Key", new_key())
+                .json(&serde_json::json!({"target_id": target, "target_type": kind, "action": "like"})),
+        )
+    };
+    for (target, kind) in [
+        ("v_123x", "video"),
+        ("xv_123", "video"),
+        ("v_123", "comment"),
+    ] {
+        let r = send(target, kind).await;
+        assert_eq!(r.status, 400, "{target} {kind}: {}", r.body);
+        assert_eq!(r.code(), "target_not_allowed");
+    }
+    assert_eq!(send("v_123", "video").await.status, 200);
+
+    let reactions = env.recount().await;
+    assert_eq!(reactions.keys().collect::<Vec<_>>(), ["v_123"]);
+    let rows = env
+        .session
+        .query_unpaged("SELECT target_id FROM targets", ())
+        .await?
+        .into_rows_result()?;
+    let registered: Vec<String> = rows
+        .rows::<(String,)>()?
+        .map(|r| r.map(|(t,)| t))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(registered, ["v_123"], "nothing else reached the registry");
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_user_cannot_register_new_targets_faster_than_the_limit_and_known_ones_stay_open()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        user_new_targets_rate: 0.001,
+        user_new_targets_burst: 3,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        statuses.push(
+            app.vote("sprawler", new_key(), &format!("video_new{i}"), "like")
+                .await,
+        );
+    }
+    let ok: Vec<u16> = statuses.iter().map(|r| r.status).collect();
+    assert_eq!(ok, [200, 200, 200, 429, 429]);
+    assert_eq!(statuses[3].code(), "new_targets_limited");
+    assert!(statuses[3].headers.contains_key("retry-after"));
+    // A target already registered costs the registry nothing: still open.
+    assert_eq!(
+        app.vote("sprawler", new_key(), "video_new0", "dislike")
+            .await
+            .status,
+        200
+    );
+    // Another user's new target is not limited by this one's.
+    assert_eq!(
+        app.vote("calm", new_key(), "video_new9", "like")
+            .await
+            .status,
+        200
+    );
+    let reactions = env.recount().await;
+    assert!(!reactions.contains_key("video_new3") && !reactions.contains_key("video_new4"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_user_past_the_days_vote_limit_gets_429_until_midnight_and_retries_still_get_answers()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        user_daily_votes: 3,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let first = new_key();
+    assert_eq!(
+        app.vote("daily", &first, "video_d0", "like").await.status,
+        200
+    );
+    assert_eq!(
+        app.vote("daily", new_key(), "video_d1", "like")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        app.vote("daily", new_key(), "video_d2", "like")
+            .await
+            .status,
+        200
+    );
+    let over = app.vote("daily", new_key(), "video_d3", "like").await;
+    assert_eq!(over.status, 429, "{}", over.body);
+    assert_eq!(over.code(), "daily_limit");
+    let wait: u64 = over
+        .headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_default();
+    assert!((1..=86_400).contains(&wait), "Retry-After {wait}");
+    // A retry of a vote that committed still gets its answer.
+    let retry = app.vote("daily", &first, "video_d0", "like").await;
+    assert_eq!(retry.status, 200, "{}", retry.body);
+    assert!(retry.replayed());
+    // Other users are not counted against this one.
+    assert_eq!(
+        app.vote("other", new_key(), "video_d3", "like")
+            .await
+            .status,
+        200
+    );
+    let reactions = env.recount().await;
+    assert_eq!(
+        reactions["video_d3"].likes(),
+        1,
+        "only the other user's like"
+    );
+    Ok(())
+}

@@ -29,6 +29,10 @@ impl TestEnv {
             // Tests read far more often than people do.
             user_read_rate: 10_000.0,
             user_read_burst: 10_000,
+            user_daily_votes: 1_000_000,
+            user_new_targets_rate: 10_000.0,
+            user_new_targets_burst: 10_000,
+            targets: tally::api::targets::TargetRules::default(),
             max_in_flight: 1024,
             min_in_flight: 4,
             slow_request: Duration::from_millis(500),

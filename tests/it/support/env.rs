@@ -245,6 +245,11 @@ impl TestEnv {
             .env("TALLY_CONSUMER_GROUP", &self.group)
             .env("TALLY_REDIS_PREFIX", &self.redis.prefix)
             .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
+            // Fault runs drive few users hard: the fair-use limits stay out
+            // of their way (tests of the limits configure them).
+            .env("TALLY_USER_NEW_TARGETS_RATE", "10000")
+            .env("TALLY_USER_NEW_TARGETS_BURST", "10000")
+            .env("TALLY_USER_DAILY_VOTES", "100000000")
             .env("RUST_LOG", "warn")
             .envs(self.cli_env.iter().map(|(k, v)| (k, v)));
         cmd
