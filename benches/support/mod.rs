@@ -108,6 +108,7 @@ pub fn consumer_config(
         drain_timeout: Duration::from_secs(30),
         mode,
         park_after: 8,
+        trust_events: true,
         cache_ttl: tally::cache::TtlPolicy {
             min: Duration::from_secs(60),
             max: Duration::from_secs(3600),

@@ -34,6 +34,7 @@ use crate::domain::{Applied, Bucket, Ledger, TargetId, Transition, UserId};
 use crate::fence::{self, Ending, Fold, Left, MAX_USERS_PER_WRITE, Read, Step};
 use crate::ops::Stores;
 use crate::store::Cas;
+use crate::store::reactions::{Current, Reactions};
 use crate::store::stats::FencedWrite;
 use crate::store::stats::Stats;
 use crate::store::{Store, StoreError};
@@ -77,6 +78,15 @@ pub struct ConsumerConfig {
     /// elsewhere (a store that takes none is waited for, never parked).
     #[arg(long = "park-after", env = "TALLY_PARK_AFTER", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1_000))]
     pub park_after: u32,
+
+    /// Count events without checking them against the users' rows (one
+    /// read per chunk of a target's events). Without it, an event whose
+    /// user has no row for the target, or whose version is ahead of the
+    /// row's, is dead-lettered: someone other than the vote API produced
+    /// it. Only for topics nothing else can write (and for benches of
+    /// synthetic events).
+    #[arg(long = "trust-events", env = "TALLY_TRUST_EVENTS")]
+    pub trust_events: bool,
 
     /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
     #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
@@ -146,6 +156,7 @@ pub async fn run(
     let worker = Worker {
         config: &config,
         stats: &store.stats,
+        rows: (!config.trust_events).then_some(&store.reactions),
         dead_letters: &dead_letters,
         cache: &cache,
         progress: &progress,
@@ -201,6 +212,9 @@ async fn drain_deadline(mut stop: watch::Receiver<bool>, timeout: Duration) {
 struct Worker<'a> {
     config: &'a ConsumerConfig,
     stats: &'a Stats,
+    /// Where events are checked against the rows they claim to come from;
+    /// `None` with `--trust-events`.
+    rows: Option<&'a Reactions>,
     dead_letters: &'a DeadLetters,
     cache: &'a Cache,
     progress: &'a Progress,
@@ -302,6 +316,10 @@ impl Worker<'_> {
                 .into_iter()
                 .map(|((target, bucket), (events, sources))| async move {
                     let sources: Vec<&Received> = sources.iter().map(|&i| &batch[i]).collect();
+                    let (events, sources) = match self.rows {
+                        Some(rows) => self.checked(rows, &target, (events, sources), stop).await?,
+                        None => (events, sources),
+                    };
                     self.count_bucket((&target, bucket), (&events, &sources), stop)
                         .await
                 });
@@ -480,6 +498,57 @@ impl Worker<'_> {
         }
     }
 
+    /// The events that agree with their users' rows of `target`; the rest
+    /// are dead-lettered with the reason. A transition is published only
+    /// after its row committed, so no true event is ahead of its row.
+    async fn checked<'m>(
+        &self,
+        rows: &Reactions,
+        target: &TargetId,
+        (events, sources): (Vec<Transition>, Vec<&'m Received>),
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<(Vec<Transition>, Vec<&'m Received>)> {
+        let mut users: Vec<&UserId> = events.iter().map(|t| &t.user_id).collect();
+        users.sort_unstable();
+        users.dedup();
+        let mut found = HashMap::new();
+        for some in users.chunks(MAX_USERS_PER_WRITE) {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match rows.rows_of(some, target).await {
+                    Ok(read) => {
+                        self.progress.requests.fetch_add(1, Ordering::Relaxed);
+                        found.extend(read);
+                        break;
+                    }
+                    Err(e) => {
+                        let e = anyhow::Error::new(e);
+                        if *stop.borrow() && backoff >= Duration::from_secs(2) {
+                            anyhow::bail!("stopping while Cassandra is failing: {e:#}");
+                        }
+                        tracing::warn!(target_id = %target, error = format!("{e:#}"), "reading the rows behind events failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+        }
+        let mut kept = (
+            Vec::with_capacity(events.len()),
+            Vec::with_capacity(events.len()),
+        );
+        for (t, m) in events.into_iter().zip(sources) {
+            match contradicts(&t, found.get(&t.user_id)) {
+                Some(reason) => self.dead_letter(m, &reason, "invalid", stop).await?,
+                None => {
+                    kept.0.push(t);
+                    kept.1.push(m);
+                }
+            }
+        }
+        Ok(kept)
+    }
+
     /// Parks the events of a chunk whose bucket keeps failing while
     /// Cassandra takes other conditional writes: they go to the dead-letter
     /// topic with the reason, and the rest of the partition moves on. Their
@@ -616,6 +685,32 @@ fn beliefs(events: &[Transition]) -> Option<HashMap<UserId, Applied>> {
     Some(before)
 }
 
+/// Why an event cannot have come from the user's row it names, if it
+/// cannot: there is no row, the row is at an older version, or it holds
+/// another state at the event's own version. An older event is a replay or
+/// was overtaken, which the apply rule handles.
+fn contradicts(t: &Transition, row: Option<&Current>) -> Option<String> {
+    match row {
+        None => Some(format!(
+            "user {} has no reaction row for target {}: not an event of this service",
+            t.user_id, t.target_id
+        )),
+        Some(row) if row.version < t.version => Some(format!(
+            "version {} is ahead of the row of user {} for target {} (version {})",
+            t.version, t.user_id, t.target_id, row.version
+        )),
+        Some(row) if row.version == t.version && row.state != t.to => Some(format!(
+            "the row of user {} for target {} holds {} at version {}, not {}",
+            t.user_id,
+            t.target_id,
+            row.state.as_str(),
+            row.version,
+            t.to.as_str()
+        )),
+        Some(_) => None,
+    }
+}
+
 /// Splits a target's events, in order, into runs with at most `max` users.
 fn chunks_by_users(events: &[Transition], max: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
@@ -651,6 +746,29 @@ mod tests {
             version,
             occurred_at: String::new(),
         }
+    }
+
+    #[test]
+    fn events_ahead_of_their_row_or_without_one_contradict_it() {
+        let t = step("u", 5, Reaction::None, Reaction::Like);
+        let at = |version, state| Current { state, version };
+        assert!(contradicts(&t, None).is_some(), "no row");
+        assert!(
+            contradicts(&t, Some(&at(4, Reaction::None))).is_some(),
+            "from the future"
+        );
+        assert!(
+            contradicts(&t, Some(&at(5, Reaction::Dislike))).is_some(),
+            "another state"
+        );
+        assert!(
+            contradicts(&t, Some(&at(5, Reaction::Like))).is_none(),
+            "the row's own"
+        );
+        assert!(
+            contradicts(&t, Some(&at(9, Reaction::None))).is_none(),
+            "overtaken"
+        );
     }
 
     #[test]

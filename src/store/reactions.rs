@@ -119,6 +119,7 @@ pub struct Reactions {
     snapshot_serial: PreparedStatement,
     record_serial: PreparedStatement,
     states: PreparedStatement,
+    rows_of_users: PreparedStatement,
     by_target: PreparedStatement,
     first_change: Batch,
     next_change: Batch,
@@ -160,6 +161,14 @@ impl Reactions {
             .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
             .await
             .context("prepare states")?;
+
+        // The consumer's check of events against the rows they claim to
+        // come from: one request for a chunk's users (at most
+        // MAX_USERS_PER_WRITE partitions).
+        let rows_of_users = session
+            .prepare("SELECT user_id, state, version FROM reactions WHERE user_id IN ? AND target_id = ?")
+            .await
+            .context("prepare rows of users")?;
 
         // Served by the reactions_by_target SAI index; reconcile only. The
         // rows come in token order, a range of tokens (a bucket) at a time.
@@ -236,6 +245,7 @@ impl Reactions {
             snapshot_serial,
             record_serial,
             states,
+            rows_of_users,
             by_target,
             key_ttl_secs,
         })
@@ -398,6 +408,31 @@ impl Reactions {
 }
 
 impl Reactions {
+    /// Each user's row of `target`, for those who have one.
+    pub async fn rows_of(
+        &self,
+        users: &[&UserId],
+        target: &TargetId,
+    ) -> Result<HashMap<UserId, Current>, StoreError> {
+        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
+        let rows: Vec<(String, Option<String>, Option<i64>)> =
+            super::all_rows(&self.session, &self.rows_of_users, (ids, target.as_str())).await?;
+        let mut out = HashMap::new();
+        for (user, state, version) in rows {
+            let (Ok(user), Some(state), Some(version)) = (UserId::parse(&user), state, version)
+            else {
+                continue;
+            };
+            let state = state
+                .parse()
+                .map_err(|e: crate::domain::reaction::UnknownReaction| {
+                    StoreError::Corrupt(e.to_string())
+                })?;
+            out.insert(user, Current { state, version });
+        }
+        Ok(out)
+    }
+
     /// At most `limit` rows of one target whose users' tokens fall in
     /// `from..=to`, in token order, read through the SAI index.
     pub async fn by_target(

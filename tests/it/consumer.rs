@@ -8,7 +8,7 @@ use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::Headers;
 
-use crate::support::{Rng, TestEnv, TestResult, eventually};
+use crate::support::{Rng, TestEnv, TestResult, eventually, new_key};
 
 async fn processed_at_least(c: &crate::support::RunningConsumer, n: u64) {
     eventually(
@@ -31,7 +31,7 @@ async fn the_same_events_delivered_twice_leave_the_totals_unchanged() -> TestRes
     for (u, f, t, v) in events {
         env.publish_transition(u, "video_dup", f, t, v).await;
     }
-    let consumer = env.start_consumer();
+    let consumer = env.start_consumer_trusting();
     processed_at_least(&consumer, 4).await;
     let once = env.stats().await;
 
@@ -62,7 +62,7 @@ async fn version_6_before_5_ends_at_the_users_latest_state() -> TestResult {
     // v5 (none -> like) is lost; v6 says like -> dislike.
     env.publish_transition("ursula", "video_gap", "like", "dislike", 6)
         .await;
-    let consumer = env.start_consumer();
+    let consumer = env.start_consumer_trusting();
     processed_at_least(&consumer, 5).await;
     // A late v5 must not move anything.
     env.publish_transition("ursula", "video_gap", "none", "like", 5)
@@ -91,7 +91,7 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() -> 
     env.publish_raw("video_p", br#"{"target_id":"video_p","target_type":"video","user_id":"u","from":"like","to":"like","version":2,"occurred_at":"x"}"#).await;
     env.publish_transition("victor", "video_p", "none", "like", 1)
         .await;
-    let consumer = env.start_consumer();
+    let consumer = env.start_consumer_trusting();
     processed_at_least(&consumer, 3).await;
     let dead = consumer
         .progress
@@ -221,6 +221,7 @@ async fn a_target_whose_writes_always_fail_is_parked_and_every_other_target_is_s
     }
     let mut config = env.consumer_config();
     config.park_after = 3;
+    config.trust_events = true;
     let consumer = env.start_consumer_with(config);
     let counted = || async {
         (
@@ -318,7 +319,7 @@ async fn while_the_dead_letter_topic_takes_nothing_the_consumer_stops_and_is_unr
     .await;
     env.publish_raw("video_d", &transition("dora", "video_d", "none", "like", 1))
         .await;
-    let consumer = env.start_consumer();
+    let consumer = env.start_consumer_trusting();
     let ops = eventually(
         "the consumer's ops port",
         Duration::from_secs(30),
@@ -387,6 +388,75 @@ async fn while_the_dead_letter_topic_takes_nothing_the_consumer_stops_and_is_unr
     assert_eq!(dead, 1);
     let letters = dead_letters(&env, 1).await?;
     assert_eq!(letters[0].0, "video_d");
+    Ok(())
+}
+
+#[tokio::test]
+async fn events_that_no_vote_made_are_dead_lettered_and_the_totals_stay_what_the_rows_say()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    assert_eq!(
+        app.vote("ana", new_key(), "video_f", "like").await.status,
+        200
+    );
+    // What someone who can write to the topic could inject: a vote of a
+    // user who never voted, a version from the future that would freeze
+    // ana's count, and another state at ana's real version.
+    env.publish_transition("mallory", "video_f", "none", "like", 1)
+        .await;
+    env.publish_transition("ana", "video_f", "like", "dislike", 1 << 62)
+        .await;
+    env.publish_transition("ana", "video_f", "none", "dislike", 1)
+        .await;
+    let consumer = env.start_consumer();
+    let dead = || {
+        consumer
+            .progress
+            .dead_lettered
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    eventually(
+        "the API's event counted and the forged ones dead-lettered",
+        Duration::from_secs(60),
+        || async { (consumer.processed() >= 4 && dead() == 3).then_some(()) },
+    )
+    .await;
+    assert_eq!(env.stats().await, env.recount().await);
+    assert_eq!(env.stats().await["video_f"].likes(), 1);
+
+    // ana's next real vote still counts: nothing froze her row.
+    assert_eq!(
+        app.vote("ana", new_key(), "video_f", "dislike")
+            .await
+            .status,
+        200
+    );
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let video = &env.stats().await["video_f"];
+    assert_eq!((video.likes(), video.dislikes()), (0, 1));
+    consumer.stop().await;
+
+    let mut reasons: Vec<String> = dead_letters(&env, 3)
+        .await?
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    reasons.sort();
+    assert!(
+        reasons.iter().any(|r| r.contains("no reaction row")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("is ahead of the row")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("holds like at version 1")),
+        "{reasons:?}"
+    );
     Ok(())
 }
 
@@ -467,7 +537,7 @@ async fn in_order_transitions_are_counted_without_reads_until_another_writer_mov
 -> TestResult {
     use std::sync::atomic::Ordering::Relaxed;
     let env = TestEnv::new().await;
-    let consumer = env.start_consumer();
+    let consumer = env.start_consumer_trusting();
     let p = consumer.progress.clone();
     let users: Vec<String> = (0..40).map(|i| format!("u{i}")).collect();
     let round = |from: &'static str, to: &'static str, version: i64| {

@@ -25,6 +25,8 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
     )?;
     let report = std::env::temp_dir().join(format!("tally-schemathesis-{}.xml", env.id));
 
+    // 60 per operation in CI; TALLY_FUZZ_EXAMPLES for a longer run.
+    let examples = std::env::var("TALLY_FUZZ_EXAMPLES").unwrap_or_else(|_| "60".into());
     // On a blocking thread: this runtime also drives the app's Cassandra connections.
     let report_path = report.clone();
     let out = tokio::task::spawn_blocking(move || {
@@ -37,7 +39,7 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
                 "--checks",
                 "all",
                 "--max-examples",
-                "60",
+                &examples,
                 "--seed",
                 "20261129",
             ])

@@ -39,6 +39,7 @@ impl TestEnv {
             drain_timeout: Duration::from_secs(20),
             mode: tally::consumer::WriteMode::Batched,
             park_after: 8,
+            trust_events: false,
             cache_ttl: tally::cache::TtlPolicy {
                 min: Duration::from_secs(60),
                 max: Duration::from_secs(3600),
@@ -50,6 +51,16 @@ impl TestEnv {
 
     pub fn start_consumer(&self) -> RunningConsumer {
         self.start_consumer_with(self.consumer_config())
+    }
+
+    /// A consumer that counts events without checking them against the
+    /// users' rows (`--trust-events`): for tests that publish events of
+    /// their own, with no rows behind them.
+    pub fn start_consumer_trusting(&self) -> RunningConsumer {
+        self.start_consumer_with(tally::consumer::ConsumerConfig {
+            trust_events: true,
+            ..self.consumer_config()
+        })
     }
 
     pub fn start_consumer_with(&self, config: tally::consumer::ConsumerConfig) -> RunningConsumer {
