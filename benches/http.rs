@@ -14,7 +14,9 @@
 //! (vegeta on CPU 1 only, `taskset`), TALLY_HTTP_QUICK=1 (only the closed
 //! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
 //! `tally vote` during closed loops of votes and of pages of their own, after
-//! the measured ones). Results:
+//! the measured ones), TALLY_HTTP_FLOOD=1 (only this: other users' pages at a
+//! steady rate, alone and while one user floods the summary endpoint, with the
+//! production read limits; http-flood.json). Results:
 //! stdout (Markdown), target/tally-bench/http.json, http-latency.svg,
 //! vote-profile.txt and summary-profile.txt.
 
@@ -48,6 +50,10 @@ fn main() {
         .enable_all()
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
+    if std::env::var("TALLY_HTTP_FLOOD").is_ok_and(|v| v == "1") {
+        rt.block_on(flood());
+        return;
+    }
     let results = rt.block_on(run());
     report(&results);
 }
@@ -282,6 +288,103 @@ async fn run() -> Results {
     results
 }
 
+/// Pages read by 2,000 users at a steady rate, alone, then while one more
+/// user floods the summary endpoint (64 requests in flight, retried at
+/// once), with the production per-user read limit (`--user-read-rate` 50,
+/// `--user-read-burst` 100): what the flood costs everyone else.
+async fn flood() {
+    let secs = env_num("TALLY_HTTP_SECS", 10) * 2;
+    let rate = env_num("TALLY_HTTP_FLOOD_RATE", 200) as f64;
+    let vegeta = Vegeta::install(false);
+    let env = bench_env("httpflood", 6).await;
+    let group = format!("bench-http-flood-{}", std::process::id());
+    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("tally-bench");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let auth = tally::auth::AuthConfig::hs256(SECRET);
+    let tokens: Vec<String> = (0..=READERS)
+        .map(|i| tally::auth::mint(&auth, &format!("r{i}"), Duration::from_secs(7200), vec![]))
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let (readers, flooder) = tokens.split_at(READERS as usize);
+    let mut api = Api::spawn_with(&env, &group, None, true).await;
+    let mut rng = Zipf::new(1, 1.0, 7);
+
+    eprintln!("http flood: {rate}/s pages from {READERS} users, alone, {secs}s");
+    let alone = vegeta.attack(
+        &api,
+        &mut Targets::Pages(readers, &mut rng),
+        Load::Open(rate),
+        secs,
+        &dir,
+    );
+    eprintln!("http flood: the same while one user floods, {secs}s");
+    let flood = std::thread::scope(|scope| {
+        let flooding = scope.spawn(|| {
+            let mut rng = Zipf::new(1, 1.0, 8);
+            vegeta.attack_as(
+                "flood",
+                &api,
+                &mut Targets::Pages(flooder, &mut rng),
+                Load::Closed(64),
+                secs,
+                &dir,
+            )
+        });
+        let others = vegeta.attack(
+            &api,
+            &mut Targets::Pages(readers, &mut rng),
+            Load::Open(rate),
+            secs,
+            &dir,
+        );
+        let flood = flooding
+            .join()
+            .unwrap_or_else(|_| panic!("the flood's vegeta failed"));
+        (others, flood)
+    });
+    api.stop();
+    env.drop_all().await;
+    let (with_flood, flooder) = flood;
+    println!("### Summary flood from one user (`TALLY_HTTP_FLOOD=1 cargo bench --bench http`)\n");
+    println!(
+        "{READERS} users read pages of 21 ids at {rate:.0}/s (open loop); one more user sends pages 64 at a time, each again as soon as it is answered. Read limit per user: 50/s, bursts of 100. Commit {}.\n",
+        git_commit()
+    );
+    println!("| step | sent | 2xx/s | p50 ms | p95 ms | p99 ms | other answers |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (name, s) in [
+        ("others, alone", &alone),
+        ("others, during the flood", &with_flood),
+        ("the flooding user", &flooder),
+    ] {
+        println!(
+            "| {name} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |",
+            s.sent,
+            s.goodput,
+            s.ok_ms.p50,
+            s.ok_ms.p95,
+            s.ok_ms.p99,
+            s.errors + s.refused
+        );
+    }
+    let json = serde_json::json!({
+        "commit": git_commit(),
+        "date": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        "rate": rate,
+        "others_alone": alone,
+        "others_during_flood": with_flood,
+        "flooder": flooder,
+    });
+    let path = dir.join("http-flood.json");
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("http flood: wrote {}", path.display());
+}
+
 /// `tally vote` in a process of its own.
 struct Api {
     child: Child,
@@ -297,6 +400,16 @@ impl Api {
         group: &str,
         admission_target: Option<Duration>,
     ) -> Api {
+        Api::spawn_with(env, group, admission_target, false).await
+    }
+
+    /// With `read_limits`, summary reads keep the production per-user limit.
+    async fn spawn_with(
+        env: &support::BenchEnv,
+        group: &str,
+        admission_target: Option<Duration>,
+        read_limits: bool,
+    ) -> Api {
         let (port, ops_port) = (free_port(), free_port());
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
         cmd.arg("vote")
@@ -304,14 +417,16 @@ impl Api {
             .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))
             .env("TALLY_USER_RATE", "10000")
             .env("TALLY_USER_BURST", "10000")
-            .env("TALLY_USER_READ_RATE", "10000")
-            .env("TALLY_USER_READ_BURST", "10000")
             .env("TALLY_USER_NEW_TARGETS_RATE", "10000")
             .env("TALLY_USER_NEW_TARGETS_BURST", "10000")
             .env("TALLY_USER_DAILY_VOTES", "100000000")
             .env("TALLY_CONSUMER_GROUP", group)
             .env("TALLY_LOG_FORMAT", "json")
             .env("RUST_LOG", "warn");
+        if !read_limits {
+            cmd.env("TALLY_USER_READ_RATE", "10000")
+                .env("TALLY_USER_READ_BURST", "10000");
+        }
         if let Some(target) = admission_target {
             cmd.env(
                 "TALLY_ADMISSION_TARGET",
@@ -442,8 +557,21 @@ impl Vegeta {
 
     /// Runs one step and reads vegeta's results back.
     fn attack(&self, api: &Api, targets: &mut Targets, load: Load, secs: u64, dir: &Path) -> Step {
-        let file = dir.join("http-targets.jsonl");
-        let results = dir.join("http-results.bin");
+        self.attack_as("http", api, targets, load, secs, dir)
+    }
+
+    /// The same, with files of its own (`name`), so two can run at once.
+    fn attack_as(
+        &self,
+        name: &str,
+        api: &Api,
+        targets: &mut Targets,
+        load: Load,
+        secs: u64,
+        dir: &Path,
+    ) -> Step {
+        let file = dir.join(format!("{name}-targets.jsonl"));
+        let results = dir.join(format!("{name}-results.bin"));
         // Enough targets for the step: open loop sends rate x secs; a closed
         // loop of votes or pages is bounded by what the server answers, far
         // below these. /healthz is one target, sent again and again.
