@@ -11,18 +11,21 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tally-target}
-export TALLY_JWT_SECRET=${TALLY_JWT_SECRET:-dev-secret-change-me}
-# The development secret is short; tally refuses an HS256 secret under 32
-# bytes unless told this is a developer's machine.
-export TALLY_INSECURE_DEV_SECRET=${TALLY_INSECURE_DEV_SECRET:-true}
 export TALLY_LISTEN=${TALLY_LISTEN:-127.0.0.1:8080}
 export TALLY_OPS_LISTEN=${TALLY_OPS_LISTEN:-127.0.0.1:9090}
 
 scripts/stack.sh up
-# The dev profile shares its build with scripts/test.sh; set
-# TALLY_PROFILE=release for an optimised binary (slower to build).
-PROFILE=${TALLY_PROFILE:-dev}
-echo "[dev] building tally ($PROFILE profile)"
+# A development secret of this checkout: random, made once, 32 bytes as
+# production needs, with an issuer and audience of its own.
+mkdir -p .stack
+[ -s .stack/dev-jwt-secret ] || openssl rand -hex 32 >.stack/dev-jwt-secret
+export TALLY_JWT_SECRET=${TALLY_JWT_SECRET:-$(cat .stack/dev-jwt-secret)}
+export TALLY_JWT_ISSUER=${TALLY_JWT_ISSUER:-tally-dev}
+export TALLY_JWT_AUDIENCE=${TALLY_JWT_AUDIENCE:-tally-dev}
+# An optimised build, so first latencies are the service's own. TALLY_PROFILE=dev
+# builds faster (and shares its build with scripts/test.sh).
+PROFILE=${TALLY_PROFILE:-release}
+echo "[dev] building tally ($PROFILE profile$([ "$PROFILE" = release ] && echo ", optimised"))"
 cargo build --locked --profile "$PROFILE" --bin tally
 if [ "$PROFILE" = dev ]; then TALLY="$CARGO_TARGET_DIR/debug/tally"; else TALLY="$CARGO_TARGET_DIR/$PROFILE/tally"; fi
 
@@ -36,7 +39,12 @@ trap 'kill "$CONSUMER" 2>/dev/null; wait "$CONSUMER" 2>/dev/null || true' EXIT
 TOKEN=$("$TALLY" token --sub alice --ttl 24h)
 cat <<MSG
 
-tally vote listens on http://$TALLY_LISTEN, metrics and readiness on http://$TALLY_OPS_LISTEN   (consumer log: .stack/logs/consumer.log)
+Running ($PROFILE build):
+  tally vote      http://$TALLY_LISTEN (the API); metrics and readiness on http://$TALLY_OPS_LISTEN
+  tally consumer  in the background, log in .stack/logs/consumer.log
+  the stack       cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (scripts/stack.sh status)
+Stop: Ctrl-C stops tally; scripts/stack.sh down stops the stack.
+
 Try, with a development token for user "alice":
 
   curl -s -X POST http://$TALLY_LISTEN/v1/votes \\

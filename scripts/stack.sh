@@ -105,6 +105,8 @@ ensure_packages() {
     [ -e /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
     command -v pkg-config >/dev/null || missing+=(pkg-config)
     command -v openssl >/dev/null || missing+=(openssl)
+    # promtool checks and unit-tests the alert rules (scripts/test.sh).
+    command -v promtool >/dev/null || missing+=(prometheus)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi

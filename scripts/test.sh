@@ -24,6 +24,9 @@ echo "[test] cargo clippy --all-targets -- -D warnings"
 cargo clippy --locked --all-targets -- -D warnings
 echo "[test] tidy (the invariants in ARCHITECTURE.md)"
 cargo test --locked --test tidy
+echo "[test] promtool: the alert rules and their unit tests"
+promtool check rules docker/prometheus/alerts.yml
+promtool test rules docker/prometheus/alerts_test.yml
 
 # A cluster or secure stack left up by an interrupted run holds the single node's ports.
 if [ "$(scripts/stack.sh status | head -1)" != "mode: single" ]; then scripts/stack.sh down; fi

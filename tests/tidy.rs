@@ -121,6 +121,47 @@ fn source_comments_speak_in_the_projects_own_words() {
 }
 
 /// Whether code (comments stripped) names `word` as a whole path segment.
+#[test]
+fn every_alert_in_the_operations_guide_is_a_rule_and_every_rule_is_in_the_guide() {
+    let read = |path: &str| {
+        fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let guide = read("docs/operations.md");
+    let table = guide
+        .split("## Alert rules")
+        .nth(1)
+        .unwrap_or_else(|| panic!("docs/operations.md has no `## Alert rules` section"));
+    let table = table.split("\n## ").next().unwrap_or_default();
+    let mut documented: Vec<&str> = table
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .collect();
+    let rules = read("docker/prometheus/alerts.yml");
+    let mut defined: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .map(str::trim)
+        .collect();
+    documented.sort_unstable();
+    defined.sort_unstable();
+    assert!(
+        !defined.is_empty(),
+        "no rules in docker/prometheus/alerts.yml"
+    );
+    assert_eq!(
+        documented, defined,
+        "docs/operations.md and alerts.yml disagree"
+    );
+    let tests = read("docker/prometheus/alerts_test.yml");
+    for rule in &defined {
+        assert!(
+            tests.contains(&format!("alertname: {rule}")),
+            "{rule} has no promtool test in alerts_test.yml"
+        );
+    }
+}
+
 fn names(code: &str, word: &str) -> bool {
     code.match_indices(word).any(|(at, _)| {
         let before = code[..at].chars().next_back();

@@ -1,7 +1,7 @@
 //! `tally reconcile`: one target, or the rolling sweep with its schedule,
 //! its progress on a terminal, and the report operators read.
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -235,15 +235,14 @@ async fn sweep_with_progress(
             let c = status;
             if tty {
                 let filled = ((status.fraction * 30.0).round() as usize).min(30);
-                eprint!(
-                    "\r[{}{}] {:5.1}%  {} checked, {} drifted ",
+                crate::telemetry::show_status(&format!(
+                    "[{}{}] {:5.1}%  {} checked, {} drifted",
                     "#".repeat(filled),
                     " ".repeat(30 - filled),
                     status.fraction * 100.0,
                     c.checked,
                     c.drifted
-                );
-                let _ = std::io::stderr().flush();
+                ));
             } else if last_log.elapsed() >= Duration::from_secs(10) {
                 last_log = Instant::now();
                 tracing::info!(
@@ -256,7 +255,7 @@ async fn sweep_with_progress(
         })
         .await?;
     if tty {
-        eprintln!();
+        crate::telemetry::end_status();
     }
     Ok(summary)
 }

@@ -210,9 +210,10 @@ pub async fn run(
                         .await
                         .with_context(|| format!("migration {} failed", m.id))?;
                 }
+                // Qualified: a statement with values is prepared by the driver.
                 session
                     .query_unpaged(
-                        "INSERT INTO schema_migrations (id, checksum, applied_at) VALUES (?, ?, toTimestamp(now()))",
+                        super::qualify(keyspace, "INSERT INTO schema_migrations (id, checksum, applied_at) VALUES (?, ?, toTimestamp(now()))"),
                         (m.id, checksum(m.cql)),
                     )
                     .await
@@ -222,7 +223,7 @@ pub async fn run(
             }
         }
     }
-    report.layout = Some(fix_layout(session, buckets).await?);
+    report.layout = Some(fix_layout(session, keyspace, buckets).await?);
     Ok(report)
 }
 
@@ -234,11 +235,16 @@ pub const DEFAULT_BUCKETS: u32 = 16;
 /// Writes the bucket count once, the first time the keyspace is migrated,
 /// and refuses a different one later: changing it would move users between
 /// buckets, and their applied rows with them.
-async fn fix_layout(session: &Session, wanted: Option<Layout>) -> anyhow::Result<Layout> {
+async fn fix_layout(
+    session: &Session,
+    keyspace: &str,
+    wanted: Option<Layout>,
+) -> anyhow::Result<Layout> {
     let first = wanted.map_or(i64::from(DEFAULT_BUCKETS), |l| i64::from(l.count()));
-    let mut insert = scylla::statement::unprepared::Statement::new(
+    let mut insert = scylla::statement::unprepared::Statement::new(super::qualify(
+        keyspace,
         "INSERT INTO settings (name, value) VALUES ('stats_buckets', ?) IF NOT EXISTS",
-    );
+    ));
     insert.set_consistency(scylla::statement::Consistency::Quorum);
     session
         .query_unpaged(insert, (first,))

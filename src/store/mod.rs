@@ -350,6 +350,42 @@ pub(crate) fn classify(
     }
 }
 
+/// Prepares `cql` with its table named in full (`keyspace.table`, the
+/// session's keyspace): a statement that leaned on the connection's `USE`
+/// would be ambiguous, and Cassandra 5 warns about each one.
+pub(crate) async fn prepare(
+    session: &Session,
+    cql: impl AsRef<str>,
+) -> Result<scylla::statement::prepared::PreparedStatement, scylla::errors::PrepareError> {
+    let cql = match session.get_keyspace() {
+        Some(keyspace) => qualify(&keyspace, cql.as_ref()),
+        None => cql.as_ref().to_owned(),
+    };
+    session.prepare(cql).await
+}
+
+/// `cql` with the table after FROM, INTO or UPDATE named in `keyspace`,
+/// unless it names a keyspace already.
+fn qualify(keyspace: &str, cql: &str) -> String {
+    let mut out = String::with_capacity(cql.len() + keyspace.len() + 1);
+    let mut table_next = false;
+    for word in cql.split_inclusive(char::is_whitespace) {
+        if table_next && !word.trim().is_empty() {
+            if !word.contains('.') && word.starts_with(|c: char| c.is_ascii_alphabetic()) {
+                out.push_str(keyspace);
+                out.push('.');
+            }
+            table_next = false;
+        }
+        out.push_str(word);
+        let keyword = word.trim_end().to_ascii_uppercase();
+        if ["FROM", "INTO", "UPDATE"].contains(&keyword.as_str()) {
+            table_next = true;
+        }
+    }
+    out
+}
+
 /// Runs a prepared statement and reads its first row, if any.
 pub(crate) async fn first_row<T, V>(
     session: &Session,
@@ -491,5 +527,38 @@ mod tests {
     #[test]
     fn a_local_datacenter_the_cluster_lacks_is_refused() {
         assert!(check_local_dc(&dcs(&["dc1"]), Some("dc2")).is_err());
+    }
+}
+
+#[cfg(test)]
+mod qualify_tests {
+    use super::qualify;
+
+    #[test]
+    fn tables_after_from_into_and_update_get_the_keyspace() {
+        assert_eq!(
+            qualify("ks", "SELECT a FROM reactions WHERE user_id = ?"),
+            "SELECT a FROM ks.reactions WHERE user_id = ?"
+        );
+        assert_eq!(
+            qualify("ks", "INSERT INTO targets (a) VALUES (?) IF NOT EXISTS"),
+            "INSERT INTO ks.targets (a) VALUES (?) IF NOT EXISTS"
+        );
+        assert_eq!(
+            qualify("ks", "UPDATE target_stats SET seq = ? WHERE target_id = ?"),
+            "UPDATE ks.target_stats SET seq = ? WHERE target_id = ?"
+        );
+        assert_eq!(
+            qualify("ks", "DELETE FROM\n  settings WHERE name = ?"),
+            "DELETE FROM\n  ks.settings WHERE name = ?"
+        );
+        assert_eq!(
+            qualify("ks", "SELECT x FROM other.t"),
+            "SELECT x FROM other.t"
+        );
+        assert_eq!(
+            qualify("ks", "SELECT release_version FROM system.local"),
+            "SELECT release_version FROM system.local"
+        );
     }
 }

@@ -99,45 +99,47 @@ impl Outbox {
     ) -> anyhow::Result<Outbox> {
         // Both take the same values in the same order, so one grouped writer
         // serves both.
-        let intend = session
-            .prepare(
-                "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
+        let intend = super::prepare(
+            &session,
+            "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
                  VALUES (?, ?, ?, ?, false) USING TTL ?",
-            )
-            .await
-            .context("prepare intent")?;
-        let resolve = session
-            .prepare(
-                "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
+        )
+        .await
+        .context("prepare intent")?;
+        let resolve = super::prepare(
+            &session,
+            "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
                  VALUES (?, ?, ?, ?, true) USING TTL ?",
-            )
-            .await
-            .context("prepare resolve")?;
-        let resolved = session
-            .prepare(
-                "SELECT resolved FROM outbox_intents \
+        )
+        .await
+        .context("prepare resolve")?;
+        let resolved = super::prepare(
+            &session,
+            "SELECT resolved FROM outbox_intents \
                  WHERE bucket = ? AND shard = ? AND user_id = ? AND idem_key = ?",
-            )
-            .await
-            .context("prepare resolved read")?;
-        let bucket = session
-            .prepare(
-                "SELECT user_id, idem_key, resolved FROM outbox_intents \
+        )
+        .await
+        .context("prepare resolved read")?;
+        let bucket = super::prepare(
+            &session,
+            "SELECT user_id, idem_key, resolved FROM outbox_intents \
                  WHERE bucket = ? AND shard = ?",
-            )
-            .await
-            .context("prepare bucket read")?;
-        let read_checkpoint = session
-            .prepare("SELECT bucket FROM relay_checkpoints WHERE name = ?")
-            .await
-            .context("prepare relay checkpoint read")?;
-        let write_checkpoint = session
-            .prepare(
-                "INSERT INTO relay_checkpoints (name, bucket, updated_at) \
+        )
+        .await
+        .context("prepare bucket read")?;
+        let read_checkpoint = super::prepare(
+            &session,
+            "SELECT bucket FROM relay_checkpoints WHERE name = ?",
+        )
+        .await
+        .context("prepare relay checkpoint read")?;
+        let write_checkpoint = super::prepare(
+            &session,
+            "INSERT INTO relay_checkpoints (name, bucket, updated_at) \
                  VALUES (?, ?, toTimestamp(now()))",
-            )
-            .await
-            .context("prepare relay checkpoint write")?;
+        )
+        .await
+        .context("prepare relay checkpoint write")?;
         let intents = Grouped {
             session: session.clone(),
             statement: intend,

@@ -137,93 +137,95 @@ impl Reactions {
         const SNAPSHOT: &str = "SELECT target_id, state, version, request_hash, request_owner, \
              response_status, response_body, transition, intent_bucket, intent_shard \
              FROM reactions WHERE user_id = ? AND target_id IN (?, ?)";
-        let snapshot = session
-            .prepare(SNAPSHOT)
+        let snapshot = super::prepare(&session, SNAPSHOT)
             .await
             .context("prepare snapshot")?;
         // The same read at SERIAL: it sees (and completes) any in-flight
         // Paxos round, which is how an unknown outcome becomes a known one.
-        let mut snapshot_serial = session
-            .prepare(SNAPSHOT)
+        let mut snapshot_serial = super::prepare(&session, SNAPSHOT)
             .await
             .context("prepare serial snapshot")?;
         snapshot_serial.set_consistency(levels.serial_read);
-        let mut record_serial = session
-            .prepare(
-                "SELECT request_hash, request_owner, response_status, response_body, transition, \
+        let mut record_serial = super::prepare(
+            &session,
+            "SELECT request_hash, request_owner, response_status, response_body, transition, \
                  intent_bucket, intent_shard FROM reactions WHERE user_id = ? AND target_id = ?",
-            )
-            .await
-            .context("prepare serial record")?;
+        )
+        .await
+        .context("prepare serial record")?;
         record_serial.set_consistency(levels.serial_read);
 
-        let states = session
-            .prepare("SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?")
-            .await
-            .context("prepare states")?;
+        let states = super::prepare(
+            &session,
+            "SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?",
+        )
+        .await
+        .context("prepare states")?;
 
         // The consumer's check of events against the rows they claim to
         // come from: one request for a chunk's users (at most
         // MAX_USERS_PER_WRITE partitions).
-        let rows_of_users = session
-            .prepare("SELECT user_id, state, version FROM reactions WHERE user_id IN ? AND target_id = ?")
-            .await
-            .context("prepare rows of users")?;
+        let rows_of_users = super::prepare(
+            &session,
+            "SELECT user_id, state, version FROM reactions WHERE user_id IN ? AND target_id = ?",
+        )
+        .await
+        .context("prepare rows of users")?;
 
         // Served by the reactions_by_target SAI index; reconcile only. The
         // rows come in token order, a range of tokens (a bucket) at a time.
-        let by_target = session
-            .prepare(
-                "SELECT token(user_id), user_id, state, version, updated_at FROM reactions \
+        let by_target = super::prepare(
+            &session,
+            "SELECT token(user_id), user_id, state, version, updated_at FROM reactions \
                  WHERE target_id = ? AND token(user_id) >= ? AND token(user_id) <= ? LIMIT ?",
-            )
-            .await
-            .context("prepare by target")?;
+        )
+        .await
+        .context("prepare by target")?;
 
-        let insert_first = session
-            .prepare(
-                "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
+        let insert_first = super::prepare(
+            &session,
+            "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
                  VALUES (?, ?, ?, ?, 1, ?) IF NOT EXISTS",
-            )
-            .await
-            .context("prepare first reaction")?;
+        )
+        .await
+        .context("prepare first reaction")?;
         // Conditioned on the state too, though the version implies it: a
         // refusal then returns both, and the next attempt knows its `from`.
-        let update_next = session
-            .prepare(
-                "UPDATE reactions SET target_type = ?, state = ?, version = ?, updated_at = ? \
+        let update_next = super::prepare(
+            &session,
+            "UPDATE reactions SET target_type = ?, state = ?, version = ?, updated_at = ? \
                  WHERE user_id = ? AND target_id = ? IF state = ? AND version = ?",
-            )
-            .await
-            .context("prepare next reaction")?;
-        let record_only = session
-            .prepare(
-                "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, \
+        )
+        .await
+        .context("prepare next reaction")?;
+        let record_only = super::prepare(
+            &session,
+            "INSERT INTO reactions (user_id, target_id, request_hash, request_owner, \
                  response_status, response_body, transition, intent_bucket, intent_shard) \
                  VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
-            )
-            .await
-            .context("prepare idempotency record")?;
+        )
+        .await
+        .context("prepare idempotency record")?;
 
         // A vote for the state the user already holds changes nothing, but
         // its key is recorded only if the row still holds that state: the
         // state it was answered from may be a guess. The row is rewritten
         // with the value it has (no new version), or, for a user with no
         // row, a cell is cleared that no live row has (no row is created).
-        let keep_state = session
-            .prepare(
-                "UPDATE reactions SET state = ? WHERE user_id = ? AND target_id = ? \
+        let keep_state = super::prepare(
+            &session,
+            "UPDATE reactions SET state = ? WHERE user_id = ? AND target_id = ? \
                  IF state = ? AND version = ?",
-            )
-            .await
-            .context("prepare unchanged reaction")?;
-        let keep_absent = session
-            .prepare(
-                "UPDATE reactions SET updated_at = null WHERE user_id = ? AND target_id = ? \
+        )
+        .await
+        .context("prepare unchanged reaction")?;
+        let keep_absent = super::prepare(
+            &session,
+            "UPDATE reactions SET updated_at = null WHERE user_id = ? AND target_id = ? \
                  IF version = null",
-            )
-            .await
-            .context("prepare absent reaction")?;
+        )
+        .await
+        .context("prepare absent reaction")?;
 
         // One partition, one table: Cassandra runs the whole batch as one
         // Paxos round, so the change and its key land together or not at all.

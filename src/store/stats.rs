@@ -119,75 +119,73 @@ impl Stats {
             "SELECT {}, seq, target_type FROM target_stats WHERE target_id = ? AND bucket = ? LIMIT 1",
             totals.join(", ")
         );
-        let head = session
-            .prepare(head_cql.as_str())
+        let head = super::prepare(&session, head_cql.as_str())
             .await
             .context("prepare head")?;
-        let mut head_serial = session
-            .prepare(head_cql.as_str())
+        let mut head_serial = super::prepare(&session, head_cql.as_str())
             .await
             .context("prepare serial head")?;
         head_serial.set_consistency(levels.serial_read);
         // Every bucket's head in one request: a bounded IN over the target's
         // own partitions (the layout's count, at most 1,024), so a miss costs
         // one request to Cassandra rather than one per bucket.
-        let all_heads = session
-            .prepare(
-                format!(
-                    "SELECT bucket, {}, seq, target_type FROM target_stats \
+        let all_heads = super::prepare(
+            &session,
+            format!(
+                "SELECT bucket, {}, seq, target_type FROM target_stats \
                      WHERE target_id = ? AND bucket IN ? PER PARTITION LIMIT 1",
-                    totals.join(", ")
-                )
-                .as_str(),
+                totals.join(", ")
             )
-            .await
-            .context("prepare all heads")?;
-        let applied_of = session
-            .prepare(
-                "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
+            .as_str(),
+        )
+        .await
+        .context("prepare all heads")?;
+        let applied_of = super::prepare(
+            &session,
+            "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
                  WHERE target_id = ? AND bucket = ? AND (user_token, user_id) IN ?",
-            )
-            .await
-            .context("prepare applied rows of users")?;
-        let applied_page = session
-            .prepare(
+        )
+        .await
+        .context("prepare applied rows of users")?;
+        let applied_page = super::prepare(&session,
                 "SELECT user_token, user_id, applied_version, applied_state FROM target_stats \
                  WHERE target_id = ? AND bucket = ? AND user_token >= ? AND user_token <= ? LIMIT ?",
             )
             .await
             .context("prepare a page of applied rows")?;
         let set_totals: Vec<String> = totals.iter().map(|t| format!("{t} = ?")).collect();
-        let write_head = session
-            .prepare(format!(
+        let write_head = super::prepare(
+            &session,
+            format!(
                 "UPDATE target_stats SET {}, seq = ?, target_type = ? \
                  WHERE target_id = ? AND bucket = ? IF seq = ?",
                 set_totals.join(", ")
-            ))
-            .await
-            .context("prepare head write")?;
+            ),
+        )
+        .await
+        .context("prepare head write")?;
         let user_cql = "UPDATE target_stats SET applied_version = ?, applied_state = ? \
                         WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = ?";
-        let write_user = session
-            .prepare(user_cql)
+        let write_user = super::prepare(&session, user_cql)
             .await
             .context("prepare user write")?;
-        let write_user_at = session
-            .prepare(format!(
-                "{user_cql} IF applied_version = ? AND applied_state = ?"
-            ))
-            .await
-            .context("prepare user write on its applied row")?;
-        let write_user_new = session
-            .prepare(format!("{user_cql} IF applied_version = null"))
-            .await
-            .context("prepare user write on no applied row")?;
+        let write_user_at = super::prepare(
+            &session,
+            format!("{user_cql} IF applied_version = ? AND applied_state = ?"),
+        )
+        .await
+        .context("prepare user write on its applied row")?;
+        let write_user_new =
+            super::prepare(&session, format!("{user_cql} IF applied_version = null"))
+                .await
+                .context("prepare user write on no applied row")?;
         // A conditional write to a row of its own, which no reader depends on.
-        let probe = session
-            .prepare(
-                "INSERT INTO settings (name, value) VALUES ('consumer_probe', 0) IF NOT EXISTS",
-            )
-            .await
-            .context("prepare the store probe")?;
+        let probe = super::prepare(
+            &session,
+            "INSERT INTO settings (name, value) VALUES ('consumer_probe', 0) IF NOT EXISTS",
+        )
+        .await
+        .context("prepare the store probe")?;
         Ok(Stats {
             layout,
             levels,

@@ -41,26 +41,22 @@ pub struct Targets {
 impl Targets {
     pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Targets> {
         Ok(Targets {
-            register: session.prepare("INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
-            first_page: session
-                .prepare("SELECT target_id, token(target_id) FROM targets LIMIT ?")
+            register: super::prepare(&session, "INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
+            first_page: super::prepare(&session, "SELECT target_id, token(target_id) FROM targets LIMIT ?")
                 .await
                 .context("prepare first page")?,
-            next_page: session
-                .prepare("SELECT target_id, token(target_id) FROM targets WHERE token(target_id) > ? LIMIT ?")
+            next_page: super::prepare(&session, "SELECT target_id, token(target_id) FROM targets WHERE token(target_id) > ? LIMIT ?")
                 .await
                 .context("prepare next page")?,
-            read_checkpoint: session
-                .prepare("SELECT last_token, checked, drifted, in_target, next_bucket FROM reconcile_checkpoints WHERE name = ?")
+            read_checkpoint: super::prepare(&session, "SELECT last_token, checked, drifted, in_target, next_bucket FROM reconcile_checkpoints WHERE name = ?")
                 .await?,
-            write_checkpoint: session
-                .prepare(
+            write_checkpoint: super::prepare(&session,
                     "INSERT INTO reconcile_checkpoints \
                      (name, last_token, checked, drifted, in_target, next_bucket, updated_at) \
                      VALUES (?, ?, ?, ?, ?, ?, toTimestamp(now()))",
                 )
                 .await?,
-            delete_checkpoint: session.prepare("DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
+            delete_checkpoint: super::prepare(&session, "DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
             registered: Mutex::new(HashSet::new()),
             session,
         })
