@@ -1,6 +1,7 @@
 //! The `tally` command line: one binary, one subcommand per role.
 
 mod reconcile;
+mod status;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -43,6 +44,9 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Print a development token signed with the configured key.
     Token(TokenArgs),
+    /// One screen of the running service: rates, latencies, lag, outbox,
+    /// cache, conflicts, drift and dead letters.
+    Status(status::StatusArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,6 +89,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Consumer(config) => consumer(*config).await,
         Command::Reconcile(args) => reconcile::run(args).await,
+        Command::Status(args) => status::run(args).await.map(|()| ExitCode::SUCCESS),
     }
 }
 

@@ -192,3 +192,127 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
     .await;
     Ok(())
 }
+
+#[tokio::test]
+async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_say() -> TestResult {
+    use crate::support::{JWT_SECRET, Proc, TestApp, free_port};
+    let env = TestEnv::new().await;
+    // Processes of their own: each has its own metrics, as in production.
+    let (port, ops, consumer_ops) = (free_port(), free_port(), free_port());
+    let _vote = Proc(
+        env.tally()
+            .arg("vote")
+            .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"))
+            .env("TALLY_JWT_SECRET", JWT_SECRET)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    let _consumer = Proc(
+        env.tally()
+            .arg("consumer")
+            .env("TALLY_CONSUMER_LISTEN", format!("127.0.0.1:{consumer_ops}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    let app = TestApp {
+        address: format!("http://127.0.0.1:{port}"),
+        ops: format!("http://127.0.0.1:{ops}"),
+        client: reqwest::Client::new(),
+    };
+    crate::support::wait_until_healthy(&app.client, &app.address, Duration::from_secs(60)).await;
+    let mut rng = Rng(5);
+    assert_eq!(app.random_votes(&mut rng, 60, 12, 10, 8).await, 60);
+    for _ in 0..3 {
+        assert_eq!(app.summary("reader", "t0,t1,t2,t3").await.status, 200);
+    }
+    env.publish_raw("t0", b"not a transition").await;
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let vote_ops = format!("http://127.0.0.1:{ops}");
+    let consumer_url = format!("http://127.0.0.1:{consumer_ops}");
+    eventually(
+        "the dead letter to be counted",
+        Duration::from_secs(30),
+        || async {
+            let text = scrape(&app.client, &format!("{consumer_url}/metrics")).await;
+            (sample_sum(&text, "tally_consumer_dead_lettered_total", &[]) == Some(1.0))
+                .then_some(())
+        },
+    )
+    .await;
+
+    // The group commits its offsets every few seconds: polled until it has.
+    let status = eventually(
+        "the group's committed offsets to catch up",
+        Duration::from_secs(30),
+        || async {
+            let out = env
+                .tally()
+                .args(["status", "--json", "--interval", "200ms"])
+                .args(["--vote-ops", &vote_ops, "--consumer-ops", &consumer_url])
+                .output()
+                .ok()?;
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let lag = status["lag"].as_array().cloned().unwrap_or_default();
+            lag.iter().all(|l| l["messages"] == 0).then_some(status)
+        },
+    )
+    .await;
+    let vote = scrape(&app.client, &format!("{vote_ops}/metrics")).await;
+    let num = |key: &str| status[key].as_f64().unwrap_or(f64::NAN);
+    let metric = |name: &str, labels: &[&str]| sample_sum(&vote, name, labels).unwrap_or(0.0);
+    assert_eq!(
+        num("cas_applied"),
+        metric("tally_cas_total", &["outcome=\"applied\""])
+    );
+    assert!(num("cas_applied") >= 60.0, "{status}");
+    assert_eq!(
+        num("cas_unknown"),
+        metric("tally_cas_total", &["outcome=\"unknown\""])
+    );
+    assert_eq!(
+        num("cas_not_applied"),
+        metric("tally_cas_total", &["outcome=\"not_applied\""])
+    );
+    let (hits, misses) = (
+        metric("tally_cache_lookups_total", &["result=\"hit\""]),
+        metric("tally_cache_lookups_total", &["result=\"miss\""]),
+    );
+    assert!(hits + misses > 0.0);
+    assert!(
+        (num("cache_hit_ratio") - hits / (hits + misses)).abs() < 1e-9,
+        "{status}"
+    );
+    assert_eq!(num("dead_letters"), 1.0);
+    assert_eq!(
+        num("drift_found"),
+        metric("tally_reconcile_drift_found_total", &[])
+    );
+    assert_eq!(num("votes_per_sec"), 0.0, "nothing voted during its reads");
+    let lag = status["lag"].as_array().cloned().unwrap_or_default();
+    assert_eq!(
+        lag.len(),
+        crate::support::TEST_PARTITIONS as usize,
+        "{status}"
+    );
+    assert!(lag.iter().all(|l| l["messages"] == 0), "{status}");
+    assert_eq!(status["unreachable"], serde_json::json!([]));
+
+    // The screen says the same, and marks what is past its threshold.
+    let screen = env
+        .tally()
+        .args(["status", "--interval", "200ms"])
+        .args(["--vote-ops", &vote_ops, "--consumer-ops", &consumer_url])
+        .output()?;
+    let screen = String::from_utf8_lossy(&screen.stdout).into_owned();
+    assert!(screen.contains("dead letters          1  (!)"), "{screen}");
+    assert!(screen.contains("lag, partition 0"), "{screen}");
+    Ok(())
+}
