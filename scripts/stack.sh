@@ -107,6 +107,8 @@ ensure_packages() {
     command -v openssl >/dev/null || missing+=(openssl)
     # promtool checks and unit-tests the alert rules (scripts/test.sh).
     command -v promtool >/dev/null || missing+=(prometheus)
+    # The JavaScript reference client's tests (clients/js) run on Node.
+    command -v node >/dev/null || missing+=(nodejs)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi

@@ -4,6 +4,7 @@
 mod buckets;
 mod consumer;
 mod fuzz;
+mod js_client;
 mod ops;
 mod outbox;
 mod reactions;
