@@ -128,7 +128,8 @@ pub struct Caster {
     counts: Counts,
     after: Arc<AfterCommit>,
     config: CastConfig,
-    hints: Hints,
+    /// Shared by every copy in the process (see `Caster::on`).
+    hints: Arc<Hints>,
 }
 
 /// What this process last saw of users' rows, the first attempt's guess of
@@ -203,7 +204,25 @@ impl Caster {
             counts,
             after,
             config,
-            hints: Hints::default(),
+            hints: Arc::default(),
+        }
+    }
+
+    /// The same caster over other clients of the same stores (an HTTP
+    /// worker's own), with the same publisher and the same hints, so a
+    /// user's next vote guesses as well whichever worker takes it.
+    pub fn on(&self, store: Arc<Store>, counts: Counts) -> Caster {
+        let after = Arc::new(AfterCommit {
+            store: store.clone(),
+            counts: counts.clone(),
+            publisher: self.after.publisher.clone(),
+        });
+        Caster {
+            store,
+            counts,
+            after,
+            config: self.config.clone(),
+            hints: self.hints.clone(),
         }
     }
 

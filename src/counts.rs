@@ -53,23 +53,30 @@ impl Counts {
                 vec![None; targets.len()]
             }
         };
-        let fills = targets.iter().zip(cached).map(|(target, hit)| async move {
-            match hit {
-                Some(t) => Ok(t),
-                None => {
-                    let heads = {
-                        let _turn = self.misses.acquire().await;
-                        self.store.stats.heads(target).await?
-                    };
-                    Ok(self
-                        .cache
-                        .fill(target, &heads)
-                        .await
-                        .unwrap_or_else(|_| heads.totals()))
-                }
-            }
-        });
-        try_join_all(fills).await
+        // Only the misses become futures: a page of hits is served with no
+        // more work than copying them out.
+        let misses: Vec<usize> = (0..targets.len())
+            .filter(|&i| cached[i].is_none())
+            .collect();
+        let filled = try_join_all(misses.iter().map(|&i| self.fill(&targets[i]))).await?;
+        let mut totals: Vec<Totals> = cached.into_iter().map(Option::unwrap_or_default).collect();
+        for (i, t) in misses.into_iter().zip(filled) {
+            totals[i] = t;
+        }
+        Ok(totals)
+    }
+
+    /// A miss: every bucket's head from Cassandra, then into the cache.
+    async fn fill(&self, target: &TargetId) -> Result<Totals, StoreError> {
+        let heads = {
+            let _turn = self.misses.acquire().await;
+            self.store.stats.heads(target).await?
+        };
+        Ok(self
+            .cache
+            .fill(target, &heads)
+            .await
+            .unwrap_or_else(|_| heads.totals()))
     }
 
     pub async fn get(&self, target: &TargetId) -> Result<Totals, StoreError> {

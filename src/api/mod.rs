@@ -157,10 +157,74 @@ pub struct ApiConfig {
     pub stores: Stores,
 }
 
-pub struct AppState {
+/// One HTTP worker's clients of Cassandra and Redis. Each actix worker
+/// serves its connections on a runtime of its own, on its own thread; the
+/// clients made in `Application::build` are driven by the main runtime's
+/// threads, and every round trip through them wakes one of those threads
+/// and then the worker again. A worker's own clients are made by the worker
+/// itself, on its first request (see `Worker`), so their connections are
+/// driven by the thread that serves the request. The memory of the process
+/// (the casters' hints, the registry of targets, the cache's TTL) is shared.
+pub struct Clients {
     pub caster: Caster,
     pub counts: Counts,
     pub store: Arc<Store>,
+    /// Where each user's votes of the day are counted.
+    pub cache: Cache,
+}
+
+/// Where a worker's clients are, once its first request has made them.
+pub struct Worker {
+    templates: Templates,
+    clients: tokio::sync::OnceCell<Arc<Clients>>,
+}
+
+impl Worker {
+    /// This worker's clients, made on its own runtime the first time. Until
+    /// a connection succeeds every request tries again, and is answered 503.
+    pub async fn clients(&self) -> Result<Arc<Clients>, ApiError> {
+        self.clients
+            // Boxed: connecting is a deep future, run once, that the
+            // handlers' futures need not carry.
+            .get_or_try_init(|| async {
+                Box::pin(self.templates.clone().clients())
+                    .await
+                    .map(Arc::new)
+            })
+            .await
+            .cloned()
+            .map_err(|e| {
+                ApiError::Unavailable(e.context("an HTTP worker could not connect to the stores"))
+            })
+    }
+}
+
+/// What a worker's `Clients` are made from: the process's own, and the
+/// settings to connect again.
+#[derive(Clone)]
+struct Templates {
+    caster: Arc<Caster>,
+    store: Arc<Store>,
+    cache: Cache,
+    cassandra: crate::store::CassandraConfig,
+    redis: crate::cache::RedisConfig,
+}
+
+impl Templates {
+    async fn clients(self) -> anyhow::Result<Clients> {
+        let store = Arc::new(self.store.on_own_session(&self.cassandra).await?);
+        let cache = self.cache.with_own_pool(&self.redis)?;
+        let counts = Counts::new(cache.clone(), store.clone());
+        Ok(Clients {
+            caster: self.caster.on(store.clone(), counts.clone()),
+            counts,
+            store,
+            cache,
+        })
+    }
+}
+
+pub struct AppState {
     pub reconciler: Reconciler,
     pub limiter: limit::UserLimiter,
     /// Each user's summary reads, apart from their votes.
@@ -168,8 +232,6 @@ pub struct AppState {
     /// Each user's votes on targets this process has not registered.
     pub new_targets: limit::UserLimiter,
     pub targets: targets::TargetPolicy,
-    /// Where each user's votes of the day are counted.
-    pub cache: Cache,
     pub daily_votes: u64,
     /// Admission of votes and of summaries, each adapting on its own.
     pub votes: Arc<admission::Admission>,
@@ -200,6 +262,7 @@ impl Application {
     /// listener; the server runs once `run_until_stopped` is awaited.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
         let verifier = web::Data::new(Verifier::build(&config.auth).await?);
+
         let store = Arc::new(Store::open(&config.stores.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
         // A wrong password or CA is a setting to fix, not an outage to ride out.
@@ -246,10 +309,14 @@ impl Application {
             max: config.max_in_flight,
             queue_wait: config.admission_queue_wait,
         };
-        let state = web::Data::new(AppState {
-            caster,
-            counts,
+        let templates = Templates {
+            caster: Arc::new(caster),
             store,
+            cache: cache.clone(),
+            cassandra: config.stores.cassandra.clone(),
+            redis: config.stores.redis.clone(),
+        };
+        let state = web::Data::new(AppState {
             reconciler,
             limiter,
             readers: limit::UserLimiter::new(config.user_read_rate, config.user_read_burst),
@@ -258,7 +325,6 @@ impl Application {
                 config.user_new_targets_burst,
             ),
             targets: targets::TargetPolicy::new(&config.targets)?,
-            cache: cache.clone(),
             daily_votes: config.user_daily_votes,
             votes: admission::Admission::new("vote", admission),
             summaries: admission::Admission::new("summary", admission),
@@ -276,7 +342,13 @@ impl Application {
             .with_context(|| format!("Failed to listen on {}", config.listen))?;
         let port = listener.local_addr()?.port();
         let server = HttpServer::new(move || {
+            // Called once per worker: each gets a `Worker` of its own.
+            let worker = web::Data::new(Worker {
+                templates: templates.clone(),
+                clients: tokio::sync::OnceCell::new(),
+            });
             App::new()
+                .app_data(worker)
                 .app_data(state.clone())
                 .app_data(verifier.clone())
                 .app_data(readiness.clone())

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Serialize;
 
-use super::AppState;
 use super::error::ApiError;
+use super::{AppState, Worker};
 use crate::auth::Caller;
 use crate::domain::{Reaction, TargetId, Totals};
 
@@ -29,23 +29,25 @@ pub async fn summary(
     caller: Caller,
     req: HttpRequest,
     state: web::Data<AppState>,
+    worker: web::Data<Worker>,
 ) -> Result<HttpResponse, ApiError> {
     let targets = parse_target_ids(req.query_string())?;
     state
         .readers
         .check(&caller.user)
         .map_err(ApiError::ReadsLimited)?;
+    let clients = worker.clients().await?;
 
     let (totals, states) = futures::try_join!(
         async {
-            state
+            clients
                 .counts
                 .get_many(&targets)
                 .await
                 .map_err(|e| ApiError::Unavailable(e.into()))
         },
         async {
-            state
+            clients
                 .store
                 .reactions
                 .states(&caller.user, &targets)

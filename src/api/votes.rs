@@ -8,7 +8,7 @@ use serde::Deserialize;
 use tracing::Instrument;
 
 use super::error::ApiError;
-use super::{AppState, RequestId};
+use super::{AppState, Clients, RequestId, Worker};
 use crate::auth::Caller;
 use crate::cast::Vote;
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
@@ -30,6 +30,7 @@ pub async fn cast(
     caller: Caller,
     req: HttpRequest,
     state: web::Data<AppState>,
+    worker: web::Data<Worker>,
     payload: web::Payload,
     request_id: web::ReqData<RequestId>,
 ) -> Result<HttpResponse, ApiError> {
@@ -38,11 +39,12 @@ pub async fn cast(
     if let Some(why) = state.targets.refuses(&vote.target_id, vote.target_type) {
         return Err(ApiError::bad_request("target_not_allowed", why));
     }
-    if let Some(refusal) = over_a_limit(&state, &caller.user, &vote).await {
+    let clients = worker.clients().await?;
+    if let Some(refusal) = over_a_limit(&state, &clients, &caller.user, &vote).await {
         // A retry of a vote that already committed still gets its answer:
         // the limits are on new votes, not on learning what happened to one.
         // One read, and only for a user who is over a limit.
-        return match state
+        return match clients
             .caster
             .recorded(&caller.user, &key, &vote, &request_id.0)
             .await
@@ -56,7 +58,7 @@ pub async fn cast(
     // whose outcome is unknown and the SERIAL read that learns it. The
     // task holds the admission permit until it ends, within its deadline.
     let permit = req.extensions_mut().remove::<super::Admitted>();
-    let task = state.clone();
+    let task = clients.clone();
     let (user, request_id) = (caller.user, request_id.0.clone());
     let vote_task = async move {
         let _permit = permit;
@@ -79,16 +81,21 @@ pub async fn cast(
 /// rate of votes on targets this process has not registered, and their
 /// votes of the day. A Redis that does not answer leaves the day's count
 /// unchecked rather than refusing votes.
-async fn over_a_limit(state: &AppState, user: &UserId, vote: &Vote) -> Option<ApiError> {
+async fn over_a_limit(
+    state: &AppState,
+    clients: &Clients,
+    user: &UserId,
+    vote: &Vote,
+) -> Option<ApiError> {
     if let Err(wait) = state.limiter.check(user) {
         return Some(ApiError::RateLimited(wait));
     }
-    if !state.caster.knows_target(&vote.target_id)
+    if !clients.caster.knows_target(&vote.target_id)
         && let Err(wait) = state.new_targets.check(user)
     {
         return Some(ApiError::NewTargetsLimited(wait));
     }
-    match state.cache.count_vote_today(user).await {
+    match clients.cache.count_vote_today(user).await {
         Ok((count, until_tomorrow)) if count > state.daily_votes => {
             Some(ApiError::DailyLimit(state.daily_votes, until_tomorrow))
         }

@@ -408,6 +408,17 @@ impl Cache {
         })
     }
 
+    /// The same cache over a pool of its own, whose connections are made
+    /// (and driven) by the runtime that first asks for them: one per HTTP
+    /// worker keeps each worker's Redis round trips on its own thread. The
+    /// TTL is shared, so it still follows the consumer's lag everywhere.
+    pub fn with_own_pool(&self, config: &RedisConfig) -> anyhow::Result<Cache> {
+        Ok(Cache {
+            pool: pool(config)?,
+            ..self.clone()
+        })
+    }
+
     fn key(&self, target: &TargetId) -> String {
         // `b` for a bucketed entry; entries of earlier layouts are never read
         // and expire.

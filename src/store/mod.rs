@@ -407,6 +407,31 @@ where
         .map_err(request_failed)
 }
 
+/// Runs a prepared statement whose rows its own values bound (an IN over at
+/// most a page's ids, say) and reads them all from one unpaged result: no
+/// pager task, no channel, one round trip, on the hot paths.
+pub(crate) async fn bounded_rows<T, V>(
+    session: &Session,
+    stmt: &scylla::statement::prepared::PreparedStatement,
+    values: V,
+) -> Result<Vec<T>, StoreError>
+where
+    T: for<'f, 'm> scylla::deserialize::row::DeserializeRow<'f, 'm>,
+    V: scylla::serialize::row::SerializeRow,
+{
+    let result = session
+        .execute_unpaged(stmt, values)
+        .await
+        .map_err(request_failed)?
+        .into_rows_result()
+        .map_err(request_failed)?;
+    result
+        .rows::<T>()
+        .map_err(request_failed)?
+        .collect::<Result<_, _>>()
+        .map_err(request_failed)
+}
+
 /// Runs a prepared statement and reads every row, page by page (never one
 /// unpaged result of unknown size).
 pub(crate) async fn all_rows<T, V>(
@@ -491,6 +516,24 @@ impl Store {
                 .prepare("SELECT release_version FROM system.local")
                 .await
                 .context("prepare ping")?,
+            session,
+        })
+    }
+
+    /// The same statements over a session of its own, connected from the
+    /// calling thread's runtime, so that the session's connections are
+    /// driven there: an HTTP worker's requests to Cassandra then never wait
+    /// for another thread to wake. Nothing is prepared again (a statement is
+    /// the cluster's, not a session's), and the registry's memory is shared.
+    pub async fn on_own_session(&self, config: &CassandraConfig) -> anyhow::Result<Store> {
+        let session = Arc::new(connect_keyspace(config).await?);
+        Ok(Store {
+            layout: self.layout,
+            reactions: self.reactions.on(session.clone()),
+            stats: self.stats.on(session.clone()),
+            targets: self.targets.on(session.clone()),
+            outbox: self.outbox.on(session.clone()),
+            ping: self.ping.clone(),
             session,
         })
     }

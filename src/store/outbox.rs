@@ -85,6 +85,8 @@ pub struct Outbox {
     session: Arc<Session>,
     intents: mpsc::Sender<Waiting>,
     resolves: mpsc::Sender<Waiting>,
+    /// What the two grouped writers are started from, again for each session.
+    writers: Writers,
     resolved: PreparedStatement,
     bucket: PreparedStatement,
     read_checkpoint: PreparedStatement,
@@ -140,31 +142,39 @@ impl Outbox {
         )
         .await
         .context("prepare relay checkpoint write")?;
-        let intents = Grouped {
-            session: session.clone(),
-            statement: intend,
+        let writers = Writers {
+            intend,
+            resolve,
             consistency: levels.quorum,
             ttl_secs,
-            next_shard: AtomicI32::new(0),
-        }
-        .start();
-        let resolves = Grouped {
-            session: session.clone(),
-            statement: resolve,
-            consistency: levels.quorum,
-            ttl_secs,
-            next_shard: AtomicI32::new(0),
-        }
-        .start();
+        };
+        let (intents, resolves) = writers.start(&session);
         Ok(Outbox {
             session,
             intents,
             resolves,
+            writers,
             resolved,
             bucket,
             read_checkpoint,
             write_checkpoint,
         })
+    }
+
+    /// The same statements over another session, with grouped writers of
+    /// its own, started on the calling thread's runtime.
+    pub fn on(&self, session: Arc<Session>) -> Outbox {
+        let (intents, resolves) = self.writers.start(&session);
+        Outbox {
+            intents,
+            resolves,
+            writers: self.writers.clone(),
+            resolved: self.resolved.clone(),
+            bucket: self.bucket.clone(),
+            read_checkpoint: self.read_checkpoint.clone(),
+            write_checkpoint: self.write_checkpoint.clone(),
+            session,
+        }
     }
 
     /// Records that `user` may commit a transition under `key`, now, and
@@ -263,6 +273,31 @@ async fn wait_for(
         .await
         .map_err(|_| gone())?
         .map_err(super::request_failed)
+}
+
+/// The statements of the two grouped writers (intents and their marks).
+#[derive(Clone)]
+struct Writers {
+    intend: PreparedStatement,
+    resolve: PreparedStatement,
+    consistency: scylla::statement::Consistency,
+    ttl_secs: i32,
+}
+
+impl Writers {
+    fn start(&self, session: &Arc<Session>) -> (mpsc::Sender<Waiting>, mpsc::Sender<Waiting>) {
+        let writer = |statement: &PreparedStatement| {
+            Grouped {
+                session: session.clone(),
+                statement: statement.clone(),
+                consistency: self.consistency,
+                ttl_secs: self.ttl_secs,
+                next_shard: AtomicI32::new(0),
+            }
+            .start()
+        };
+        (writer(&self.intend), writer(&self.resolve))
+    }
 }
 
 /// A writer that turns the rows waiting at one moment into one batch per

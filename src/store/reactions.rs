@@ -113,6 +113,7 @@ pub struct Change<'a> {
     pub record: &'a KeyRecord,
 }
 
+#[derive(Clone)]
 pub struct Reactions {
     session: Arc<Session>,
     snapshot: PreparedStatement,
@@ -129,6 +130,14 @@ pub struct Reactions {
 }
 
 impl Reactions {
+    /// The same statements over another session.
+    pub fn on(&self, session: Arc<Session>) -> Reactions {
+        Reactions {
+            session,
+            ..self.clone()
+        }
+    }
+
     pub async fn prepare(
         session: Arc<Session>,
         key_ttl_secs: i32,
@@ -394,8 +403,9 @@ impl Reactions {
         targets: &[TargetId],
     ) -> Result<HashMap<TargetId, Reaction>, StoreError> {
         let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
+        // At most a page's ids (summary::MAX_IDS): bounded by the query.
         let rows: Vec<(String, Option<String>)> =
-            super::all_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
+            super::bounded_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
         let mut out = HashMap::new();
         for (target, state) in rows {
             if let (Ok(target), Some(Ok(state))) = (

@@ -88,6 +88,7 @@ pub struct AppliedRow {
     pub applied: Applied,
 }
 
+#[derive(Clone)]
 pub struct Stats {
     layout: Layout,
     levels: super::Levels,
@@ -107,6 +108,14 @@ pub struct Stats {
 type StoredRow = (Option<i64>, Option<String>, Option<i64>, Option<String>);
 
 impl Stats {
+    /// The same statements over another session.
+    pub fn on(&self, session: Arc<Session>) -> Stats {
+        Stats {
+            session,
+            ..self.clone()
+        }
+    }
+
     pub async fn prepare(
         session: Arc<Session>,
         levels: super::Levels,
@@ -232,8 +241,10 @@ impl Stats {
     /// voters: one static row per bucket).
     pub async fn heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
         let buckets: Vec<i32> = self.layout.buckets().map(Bucket::column).collect();
+        // One row per bucket at most (PER PARTITION LIMIT 1).
         let rows: Vec<scylla::value::Row> =
-            super::all_rows(&self.session, &self.all_heads, (target.as_str(), &buckets)).await?;
+            super::bounded_rows(&self.session, &self.all_heads, (target.as_str(), &buckets))
+                .await?;
         // A bucket nobody has voted in has no row: an empty head.
         let mut heads = vec![Head::default(); buckets.len()];
         for row in rows {

@@ -27,6 +27,7 @@ pub struct Checkpoint {
     pub in_target: Option<(String, u32)>,
 }
 
+#[derive(Clone)]
 pub struct Targets {
     session: Arc<Session>,
     register: PreparedStatement,
@@ -35,10 +36,20 @@ pub struct Targets {
     read_checkpoint: PreparedStatement,
     write_checkpoint: PreparedStatement,
     delete_checkpoint: PreparedStatement,
-    registered: Mutex<HashSet<TargetId>>,
+    /// Shared by every session's copy: registered once per process.
+    registered: Arc<Mutex<HashSet<TargetId>>>,
 }
 
 impl Targets {
+    /// The same statements over another session, with the same memory of
+    /// what this process registered.
+    pub fn on(&self, session: Arc<Session>) -> Targets {
+        Targets {
+            session,
+            ..self.clone()
+        }
+    }
+
     pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Targets> {
         Ok(Targets {
             register: super::prepare(&session, "INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
@@ -57,7 +68,7 @@ impl Targets {
                 )
                 .await?,
             delete_checkpoint: super::prepare(&session, "DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
-            registered: Mutex::new(HashSet::new()),
+            registered: Arc::new(Mutex::new(HashSet::new())),
             session,
         })
     }
