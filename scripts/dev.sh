@@ -13,6 +13,8 @@ cd "$ROOT"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tally-target}
 export TALLY_LISTEN=${TALLY_LISTEN:-127.0.0.1:8080}
 export TALLY_OPS_LISTEN=${TALLY_OPS_LISTEN:-127.0.0.1:9090}
+# The demo page at /demo, with its development login (TALLY_DEMO=false: none).
+export TALLY_DEMO=${TALLY_DEMO:-true}
 
 scripts/stack.sh up
 # A development secret of this checkout: random, made once, 32 bytes as
@@ -44,6 +46,7 @@ Running ($PROFILE build):
   tally consumer  in the background, log in .stack/logs/consumer.log
   the stack       cassandra 127.0.0.1:9042, kafka 127.0.0.1:9092, redis 127.0.0.1:6379 (scripts/stack.sh status)
 Stop: Ctrl-C stops tally; scripts/stack.sh down stops the stack.
+$([ "$TALLY_DEMO" = true ] && printf '\nOpen http://%s/demo for a video and its comments with like buttons (any name signs in).\n' "$TALLY_LISTEN")
 
 Try, with a development token for user "alice":
 

@@ -109,6 +109,10 @@ ensure_packages() {
     command -v promtool >/dev/null || missing+=(prometheus)
     # The JavaScript reference client's tests (clients/js) run on Node.
     command -v node >/dev/null || missing+=(nodejs)
+    command -v npm >/dev/null || missing+=(npm)
+    # The demo page's browser tests run in Debian's headless Chromium
+    # (driven over the DevTools protocol; no browser is downloaded).
+    command -v chromium >/dev/null || missing+=(chromium)
     if [ "${#missing[@]}" -gt 0 ]; then
         apt_install "${missing[@]}"
     fi

@@ -43,6 +43,15 @@ if ! python3 -c 'import schemathesis' 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
 fi
 
+# The browser tests drive Debian's Chromium with playwright-core, pinned in
+# clients/js/package-lock.json (npm ci downloads no browser).
+lock=$(sha256sum clients/js/package-lock.json | cut -d' ' -f1)
+if [ "$(cat clients/js/node_modules/.tally-lock 2>/dev/null)" != "$lock" ]; then
+    echo "[test] npm ci (clients/js: playwright-core)"
+    npm ci --prefix clients/js --no-audit --no-fund --loglevel=error
+    echo "$lock" > clients/js/node_modules/.tally-lock
+fi
+
 echo "[test] cargo test"
 # Every test but the cluster run, which needs the cluster (below).
 cargo test --locked --lib --bins --test it --test chaos --test tidy "$@"

@@ -199,7 +199,27 @@ export class Reaction {
     /** @type {Action | undefined} the state wanted and not yet sent */
     this.wanted = undefined;
     this.sending = false;
+    /** Moves with every answer this button takes: see `refresh`. */
+    this.generation = 0;
     this.render({ counts: this.confirmed, pending: false });
+  }
+
+  /**
+   * Counts read elsewhere (a summary, another tab's vote), taken only if
+   * nothing happened to this button since the read began: no vote wanted or
+   * in flight, and no answer since `generation` (read it before the read),
+   * which would be newer than what the read saw.
+   *
+   * @param {Counts} counts
+   * @param {number} generation  `this.generation` when the read began
+   * @returns {boolean} whether the counts were taken
+   */
+  refresh(counts, generation) {
+    if (this.sending || this.wanted !== undefined || generation !== this.generation) return false;
+    this.confirmed = { likes: counts.likes, dislikes: counts.dislikes, user_state: counts.user_state };
+    this.generation++;
+    this.render({ counts: this.confirmed, pending: false });
+    return true;
   }
 
   /** What the user sees: the confirmed counts moved to the wanted state. */
@@ -234,6 +254,7 @@ export class Reaction {
         try {
           const answer = await this.client.vote(this.targetId, this.targetType, action);
           this.confirmed = { likes: answer.likes, dislikes: answer.dislikes, user_state: answer.user_state };
+          this.generation++;
         } catch (e) {
           this.wanted = undefined;
           this.inFlight = undefined;

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod admission;
 mod caller;
+pub mod demo;
 pub mod error;
 pub mod limit;
 pub mod openapi;
@@ -143,6 +144,12 @@ pub struct ApiConfig {
     #[arg(long = "body-timeout", env = "TALLY_BODY_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub body_timeout: Duration,
 
+    /// Serve the demo page at /demo (a video and its comments, drawn by the
+    /// reference JavaScript client) with a development login that signs a
+    /// token for any name. For a laptop only: never on a public address.
+    #[arg(long, env = "TALLY_DEMO")]
+    pub demo: bool,
+
     /// The consumer group whose lag this API measures and sizes cache TTLs by.
     #[arg(long = "consumer-group", env = "TALLY_CONSUMER_GROUP", default_value = "tally-consumer")]
     pub consumer_group: String,
@@ -262,6 +269,10 @@ impl Application {
     /// listener; the server runs once `run_until_stopped` is awaited.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Application> {
         let verifier = web::Data::new(Verifier::build(&config.auth).await?);
+        let demo = config
+            .demo
+            .then(|| demo::Demo::new(&config.auth))
+            .transpose()?;
 
         let store = Arc::new(Store::open(&config.stores.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
@@ -341,6 +352,18 @@ impl Application {
         let listener = TcpListener::bind(&config.listen)
             .with_context(|| format!("Failed to listen on {}", config.listen))?;
         let port = listener.local_addr()?.port();
+        if demo.is_some() {
+            // Its login signs a token for anyone who asks: harmless on the
+            // loopback address of a laptop, a hole anywhere else.
+            if listener.local_addr()?.ip().is_loopback() {
+                tracing::info!(
+                    page = format!("http://{}/demo", listener.local_addr()?),
+                    "--demo: the demo page and its development login are served"
+                );
+            } else {
+                tracing::warn!(address = %listener.local_addr()?, "--demo on an address other than loopback: /demo/login signs a token for any name it is given; never serve this publicly");
+            }
+        }
         let server = HttpServer::new(move || {
             // Called once per worker: each gets a `Worker` of its own.
             let worker = web::Data::new(Worker {
@@ -370,6 +393,11 @@ impl Application {
                         .route(web::post().to(admin::reconcile))
                         .default_service(web::to(only_post)),
                 )
+                .configure(|cfg| {
+                    if let Some(demo) = &demo {
+                        demo.routes(cfg);
+                    }
+                })
                 .route("/openapi.json", web::get().to(openapi))
                 .route("/healthz", web::get().to(ops::healthz))
                 .default_service(web::to(not_found))

@@ -20,6 +20,7 @@ async fn the_javascript_client_passes_its_tests_against_the_real_api() -> TestRe
         "js-eager",
         "js-refused",
         "js-reader",
+        "js-refresh",
     ];
     let tokens: serde_json::Map<String, serde_json::Value> = users
         .iter()
@@ -49,6 +50,6 @@ async fn the_javascript_client_passes_its_tests_against_the_real_api() -> TestRe
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("# fail 0"), "{stdout}");
-    assert!(stdout.contains("# pass 7"), "every test ran:\n{stdout}");
+    assert!(stdout.contains("# pass 8"), "every test ran:\n{stdout}");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Integration tests against the real local stack (scripts/stack.sh up).
 //! One binary for all of them, so the heavy crates link once.
 
+mod browser;
 mod buckets;
 mod consumer;
 mod fuzz;

@@ -157,3 +157,20 @@ test("summary dedupes and batches a long page", async () => {
   assert.equal(Object.keys(page).length, 150);
   assert.equal(seen.length, 2, "150 distinct ids: two requests of at most 100");
 });
+
+test("counts read before a vote's answer are not drawn over it; counts read after are", async () => {
+  const client = clientOf("js-refresh");
+  const views = [];
+  const target = "video_js_refresh";
+  const r = new Reaction(client, target, "video", await served("js-refresh", target), (v) => views.push(v));
+  const before = r.generation;
+  const stale = await served("js-refresh", target);
+  r.click("like");
+  await settled(r);
+  assert.equal(r.refresh(stale, before), false, "a read from before the answer is dropped");
+  assert.equal(views.at(-1).counts.user_state, "like");
+  const since = r.generation;
+  const fresh = await served("js-refresh", target);
+  assert.equal(r.refresh(fresh, since), true);
+  assert.deepEqual(views.at(-1).counts, { likes: 1, dislikes: 0, user_state: "like" });
+});
