@@ -16,7 +16,10 @@
 //! `tally vote` during closed loops of votes and of pages of their own, after
 //! the measured ones), TALLY_HTTP_FLOOD=1 (only this: other users' pages at a
 //! steady rate, alone and while one user floods the summary endpoint, with the
-//! production read limits; http-flood.json). Results:
+//! production read limits; http-flood.json), TALLY_HTTP_AGAINST=<another
+//! tally binary> (only this: the closed loops of votes and of pages for this
+//! build and that one, three rounds in alternating order, each API started
+//! afresh: one change measured in one run; http-against.json). Results:
 //! stdout (Markdown), target/tally-bench/http.json, http-latency.svg,
 //! vote-profile.txt and summary-profile.txt.
 
@@ -52,6 +55,10 @@ fn main() {
         .unwrap_or_else(|e| panic!("{e}"));
     if std::env::var("TALLY_HTTP_FLOOD").is_ok_and(|v| v == "1") {
         rt.block_on(flood());
+        return;
+    }
+    if let Some(other) = std::env::var_os("TALLY_HTTP_AGAINST") {
+        rt.block_on(against(PathBuf::from(other)));
         return;
     }
     let results = rt.block_on(run());
@@ -385,6 +392,117 @@ async fn flood() {
     eprintln!("http flood: wrote {}", path.display());
 }
 
+/// One API's closed loops in an A/B run: which build, which round, votes, pages.
+type AbRun = (usize, u64, Step, Step);
+
+/// The closed loops of votes and pages, for this build and another binary
+/// (built from an earlier commit, say), in rounds that alternate which goes
+/// first, so that background work on the shared machine falls on both.
+async fn against(other: PathBuf) {
+    let secs = env_num("TALLY_HTTP_SECS", 10);
+    let rounds = env_num("TALLY_HTTP_ROUNDS", 3);
+    assert!(
+        other.is_file(),
+        "TALLY_HTTP_AGAINST: no binary at {}",
+        other.display()
+    );
+    let vegeta = Vegeta::install(std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1"));
+    let env = bench_env("httpab", 6).await;
+    let group = format!("bench-http-ab-{}", std::process::id());
+    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("tally-bench");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let auth = tally::auth::AuthConfig::hs256(SECRET);
+    let tokens: Vec<String> = (0..VOTERS)
+        .map(|i| tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![]))
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut consumer = spawn_consumer(&env, &group);
+    let this = PathBuf::from(env!("CARGO_BIN_EXE_tally"));
+    let builds = [("this build", this), ("the other", other.clone())];
+    let mut rng = Zipf::new(1, 1.0, 42);
+    let mut runs: Vec<AbRun> = Vec::new();
+    for round in 0..rounds {
+        for turn in 0..builds.len() {
+            let b = (turn + round as usize) % builds.len();
+            let mut api = Api::spawn_binary(&builds[b].1, &env, &group, None, false).await;
+            eprintln!(
+                "http against: round {round}, {}: votes 64 and pages 32 in flight, {secs}s each",
+                builds[b].0
+            );
+            let votes = vegeta.attack(
+                &api,
+                &mut Targets::Votes(&tokens, &mut rng),
+                Load::Closed(64),
+                secs,
+                &dir,
+            );
+            let pages = vegeta.attack(
+                &api,
+                &mut Targets::Pages(&tokens[..READERS as usize], &mut rng),
+                Load::Closed(32),
+                secs,
+                &dir,
+            );
+            api.stop();
+            runs.push((b, round, votes, pages));
+        }
+    }
+    let _ = consumer.kill();
+    let _ = consumer.wait();
+    env.drop_all().await;
+
+    let median = |b: usize, f: &dyn Fn(&AbRun) -> f64| {
+        let mut v: Vec<f64> = runs.iter().filter(|r| r.0 == b).map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or_default()
+    };
+    println!(
+        "### This build ({}) against {} (`TALLY_HTTP_AGAINST`)\n",
+        git_commit(),
+        other.display()
+    );
+    println!(
+        "| build | round | votes/s | vote p99 ms | CPU per vote | pages/s | page p99 ms | CPU per page |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (b, round, v, p) in &runs {
+        println!(
+            "| {} | {round} | {:.0} | {:.1} | {:.0} µs | {:.0} | {:.1} | {:.0} µs |",
+            builds[*b].0,
+            v.goodput,
+            v.ok_ms.p99,
+            v.server_cpu_us,
+            p.goodput,
+            p.ok_ms.p99,
+            p.server_cpu_us
+        );
+    }
+    let ratio = |f: &dyn Fn(&AbRun) -> f64| median(0, f) / median(1, f).max(1e-9);
+    println!(
+        "\nMedians, this build over the other: votes/s {:.2}x, CPU per vote {:.2}x, pages/s {:.2}x, CPU per page {:.2}x",
+        ratio(&|r| r.2.goodput),
+        ratio(&|r| r.2.server_cpu_us),
+        ratio(&|r| r.3.goodput),
+        ratio(&|r| r.3.server_cpu_us),
+    );
+    let json = serde_json::json!({
+        "commit": git_commit(),
+        "other": other.display().to_string(),
+        "date": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        "runs": runs.iter().map(|(b, round, v, p)| serde_json::json!({
+            "build": builds[*b].0, "round": round, "votes": v, "pages": p,
+        })).collect::<Vec<_>>(),
+    });
+    let path = dir.join("http-against.json");
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("http against: wrote {}", path.display());
+}
+
 /// `tally vote` in a process of its own.
 struct Api {
     child: Child,
@@ -410,8 +528,20 @@ impl Api {
         admission_target: Option<Duration>,
         read_limits: bool,
     ) -> Api {
+        let this = Path::new(env!("CARGO_BIN_EXE_tally"));
+        Api::spawn_binary(this, env, group, admission_target, read_limits).await
+    }
+
+    /// The same from another binary (`TALLY_HTTP_AGAINST`).
+    async fn spawn_binary(
+        bin: &Path,
+        env: &support::BenchEnv,
+        group: &str,
+        admission_target: Option<Duration>,
+        read_limits: bool,
+    ) -> Api {
         let (port, ops_port) = (free_port(), free_port());
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        let mut cmd = Command::new(bin);
         cmd.arg("vote")
             .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
             .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))

@@ -33,6 +33,16 @@ impl Counts {
         }
     }
 
+    /// The same counts over other clients (an HTTP worker's own), under the
+    /// same process-wide limit on miss reads.
+    pub fn on(&self, cache: Cache, store: Arc<Store>) -> Counts {
+        Counts {
+            cache,
+            store,
+            misses: self.misses.clone(),
+        }
+    }
+
     /// Totals for many targets: one Redis round trip, then, per miss, one
     /// request for every bucket's head (an IN over that target's own
     /// partitions, the statics only, never the voters).

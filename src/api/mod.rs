@@ -211,6 +211,7 @@ impl Worker {
 #[derive(Clone)]
 struct Templates {
     caster: Arc<Caster>,
+    counts: Counts,
     store: Arc<Store>,
     cache: Cache,
     cassandra: crate::store::CassandraConfig,
@@ -221,7 +222,7 @@ impl Templates {
     async fn clients(self) -> anyhow::Result<Clients> {
         let store = Arc::new(self.store.on_own_session(&self.cassandra).await?);
         let cache = self.cache.with_own_pool(&self.redis)?;
-        let counts = Counts::new(cache.clone(), store.clone());
+        let counts = self.counts.on(cache.clone(), store.clone());
         Ok(Clients {
             caster: self.caster.on(store.clone(), counts.clone()),
             counts,
@@ -322,6 +323,7 @@ impl Application {
         };
         let templates = Templates {
             caster: Arc::new(caster),
+            counts: counts.clone(),
             store,
             cache: cache.clone(),
             cassandra: config.stores.cassandra.clone(),
