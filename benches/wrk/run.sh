@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A closed loop of wrk (Debian's) against `tally vote`, with the server's own
+# CPU per request from /proc: the lightest generator to set beside vegeta's
+# figures (benches/http.rs), and a way to put two builds side by side.
+#
+#   benches/wrk/run.sh BINARY pages|votes [SECS] [CONNECTIONS]
+#
+# Runs BINARY as `tally vote` on 127.0.0.1:18080 over its own keyspace,
+# topics and Redis prefix (wrkbench), with per-user limits out of the way,
+# warms it up for 3 s, then measures. The stack must be up.
+set -euo pipefail
+BIN=$1; KIND=$2; SECS=${3:-10}; CONNS=${4:-32}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+STATE=${TMPDIR:-/tmp}/tally-wrk; mkdir -p "$STATE"
+command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+export TALLY_KEYSPACE=wrkbench TALLY_TOPIC=wrkbench-tx TALLY_DEAD_LETTER_TOPIC=wrkbench-dlq TALLY_REDIS_PREFIX=wrkbench
+export TALLY_JWT_SECRET=wrk-bench-secret-of-32-bytes-or-more TALLY_JWT_ISSUER=tally-wrk TALLY_JWT_AUDIENCE=tally-wrk
+export RUST_LOG=warn TALLY_LOG_FORMAT=json WRK_TOKENS=$STATE/tokens.txt
+"$BIN" migrate >/dev/null
+[ -s "$WRK_TOKENS" ] || for i in $(seq 1 500); do "$BIN" token --sub "u$i" --ttl 24h; done >"$WRK_TOKENS"
+TALLY_LISTEN=127.0.0.1:18080 TALLY_OPS_LISTEN=127.0.0.1:19090 \
+TALLY_USER_RATE=100000 TALLY_USER_BURST=100000 TALLY_USER_READ_RATE=100000 TALLY_USER_READ_BURST=100000 \
+TALLY_USER_NEW_TARGETS_RATE=100000 TALLY_USER_NEW_TARGETS_BURST=100000 TALLY_USER_DAILY_VOTES=1000000000 \
+TALLY_CONSUMER_GROUP=wrkbench "$BIN" vote 2>"$STATE/vote.log" &
+PID=$!
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+for _ in $(seq 1 150); do curl -sf http://127.0.0.1:19090/readyz >/dev/null && break; sleep 0.2; done
+wrk -t1 -c"$CONNS" -d3s -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >/dev/null
+cpu() { awk '{print $14 + $15}' "/proc/$PID/stat"; }
+t0=$(cpu)
+wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
+t1=$(cpu)
+requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
+refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
+ticks=$(getconf CLK_TCK)
+printf '%s %s: %s req/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us\n' \
+    "$(basename "$BIN")" "$KIND" "$(awk '/Requests\/sec/ {print $2}' "$STATE/wrk.out")" \
+    "$(awk '$1 == "50%" {print $2}' "$STATE/wrk.out")" "$(awk '$1 == "99%" {print $2}' "$STATE/wrk.out")" \
+    "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))"

@@ -1,0 +1,17 @@
+-- wrk: votes of random users of $WRK_TOKENS on 10,000 videos, a random
+-- action each, each with an Idempotency-Key of its own. Used by run.sh.
+local tokens = {}
+for line in io.lines(os.getenv("WRK_TOKENS")) do tokens[#tokens + 1] = line end
+math.randomseed(11)
+local actions = { "like", "dislike", "none" }
+local n = 0
+request = function()
+  n = n + 1
+  local body = '{"target_id":"v' .. math.random(10000) .. '","target_type":"video","action":"'
+    .. actions[math.random(3)] .. '"}'
+  return wrk.format("POST", "/v1/votes", {
+    ["Authorization"] = "Bearer " .. tokens[math.random(#tokens)],
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = string.format("wrk-%d-%d-%d", os.time(), n, math.random(1e9)),
+  }, body)
+end
