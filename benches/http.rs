@@ -118,9 +118,7 @@ async fn run() -> Results {
     let vegeta = Vegeta::install(pinned);
     let env = bench_env("http", 6).await;
     let group = format!("bench-http-{}", std::process::id());
-    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-        .join("tally-bench");
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let dir = results_dir();
     let mut results = Results {
         date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         commit: git_commit(),
@@ -128,11 +126,7 @@ async fn run() -> Results {
         ..Results::default()
     };
 
-    let auth = tally::auth::AuthConfig::hs256(SECRET);
-    let tokens: Vec<String> = (0..VOTERS)
-        .map(|i| tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![]))
-        .collect::<Result<_, _>>()
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let tokens = tokens("u", 0..VOTERS);
     let mut consumer = spawn_consumer(&env, &group);
     let mut api = Api::spawn(&env, &group, None).await;
 
@@ -305,14 +299,8 @@ async fn flood() {
     let vegeta = Vegeta::install(false);
     let env = bench_env("httpflood", 6).await;
     let group = format!("bench-http-flood-{}", std::process::id());
-    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-        .join("tally-bench");
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let auth = tally::auth::AuthConfig::hs256(SECRET);
-    let tokens: Vec<String> = (0..=READERS)
-        .map(|i| tally::auth::mint(&auth, &format!("r{i}"), Duration::from_secs(7200), vec![]))
-        .collect::<Result<_, _>>()
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let dir = results_dir();
+    let tokens = tokens("r", 0..=READERS);
     let (readers, flooder) = tokens.split_at(READERS as usize);
     let mut api = Api::spawn_with(&env, &group, None, true).await;
     let mut rng = Zipf::new(1, 1.0, 7);
@@ -383,13 +371,7 @@ async fn flood() {
         "others_during_flood": with_flood,
         "flooder": flooder,
     });
-    let path = dir.join("http-flood.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("http flood: wrote {}", path.display());
+    write_json(&dir.join("http-flood.json"), &json, "http flood");
 }
 
 /// One API's closed loops in an A/B run: which build, which round, votes, pages.
@@ -409,14 +391,8 @@ async fn against(other: PathBuf) {
     let vegeta = Vegeta::install(std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1"));
     let env = bench_env("httpab", 6).await;
     let group = format!("bench-http-ab-{}", std::process::id());
-    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-        .join("tally-bench");
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let auth = tally::auth::AuthConfig::hs256(SECRET);
-    let tokens: Vec<String> = (0..VOTERS)
-        .map(|i| tally::auth::mint(&auth, &format!("u{i}"), Duration::from_secs(7200), vec![]))
-        .collect::<Result<_, _>>()
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let dir = results_dir();
+    let tokens = tokens("u", 0..VOTERS);
     let mut consumer = spawn_consumer(&env, &group);
     let this = PathBuf::from(env!("CARGO_BIN_EXE_tally"));
     let builds = [("this build", this), ("the other", other.clone())];
@@ -494,13 +470,36 @@ async fn against(other: PathBuf) {
             "build": builds[*b].0, "round": round, "votes": v, "pages": p,
         })).collect::<Vec<_>>(),
     });
-    let path = dir.join("http-against.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("http against: wrote {}", path.display());
+    write_json(&dir.join("http-against.json"), &json, "http against");
+}
+
+/// Where the bench writes what it measured.
+fn results_dir() -> PathBuf {
+    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("tally-bench");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    dir
+}
+
+/// Tokens of users `{prefix}0`, `{prefix}1`, ... for the ids in `ids`.
+fn tokens(prefix: &str, ids: impl Iterator<Item = u64>) -> Vec<String> {
+    let auth = tally::auth::AuthConfig::hs256(SECRET);
+    ids.map(|i| {
+        tally::auth::mint(
+            &auth,
+            &format!("{prefix}{i}"),
+            Duration::from_secs(7200),
+            vec![],
+        )
+    })
+    .collect::<Result<_, _>>()
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn write_json(path: &Path, json: &serde_json::Value, who: &str) {
+    std::fs::write(path, serde_json::to_string_pretty(json).unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{who}: wrote {}", path.display());
 }
 
 /// `tally vote` in a process of its own.
@@ -1102,8 +1101,7 @@ fn report(r: &Results) {
         md.push('\n');
     }
     println!("{md}");
-    let dir = PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-        .join("tally-bench");
+    let dir = results_dir();
     let _ = std::fs::write(
         dir.join("http.json"),
         serde_json::to_string_pretty(r).unwrap_or_default(),

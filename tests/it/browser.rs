@@ -25,28 +25,15 @@ async fn the_demo_page_in_a_real_browser_counts_each_click_once_and_draws_what_t
     )
     .join("tally-demo.png");
     let _ = std::fs::remove_file(&screenshot);
-    let address = app.address.clone();
-    let shot = screenshot.clone();
-    // On a blocking thread: this runtime also serves the API.
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("node")
-            .args(["--test", "--test-concurrency=1", "test/browser.test.mjs"])
-            .current_dir(root.join("clients/js"))
-            .env("TALLY_URL", address)
-            .env("TALLY_SCREENSHOT", shot)
-            .output()
-    })
-    .await?
-    .unwrap_or_else(|e| panic!("node: {e} (scripts/stack.sh install installs it)"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the browser tests failed (clients/js needs `npm ci`, and Chromium `scripts/stack.sh install`):\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("# fail 0"), "{stdout}");
-    assert!(stdout.contains("# pass 5"), "every test ran:\n{stdout}");
+    crate::support::node::run_tests(
+        "test/browser.test.mjs",
+        vec![
+            ("TALLY_URL", app.address.clone()),
+            ("TALLY_SCREENSHOT", screenshot.display().to_string()),
+        ],
+        5,
+    )
+    .await;
     assert!(
         std::fs::metadata(&screenshot).is_ok_and(|m| m.len() > 10_000),
         "the page was saved to {}",

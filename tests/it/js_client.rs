@@ -26,30 +26,12 @@ async fn the_javascript_client_passes_its_tests_against_the_real_api() -> TestRe
         .iter()
         .map(|u| ((*u).to_owned(), serde_json::Value::String(token(u))))
         .collect();
-    let root = crate::support::stack::root();
-    let address = app.address.clone();
-    // On a blocking thread: this runtime also serves the API.
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("node")
-            .args(["--test", "clients/js/test/client.test.mjs"])
-            .current_dir(root)
-            .env("TALLY_URL", address)
-            .env(
-                "TALLY_TOKENS",
-                serde_json::Value::Object(tokens).to_string(),
-            )
-            .output()
-    })
-    .await?
-    .unwrap_or_else(|e| panic!("node: {e} (scripts/stack.sh install installs it)"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the client's tests failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("# fail 0"), "{stdout}");
-    assert!(stdout.contains("# pass 8"), "every test ran:\n{stdout}");
+    let tokens = serde_json::Value::Object(tokens).to_string();
+    crate::support::node::run_tests(
+        "test/client.test.mjs",
+        vec![("TALLY_URL", app.address.clone()), ("TALLY_TOKENS", tokens)],
+        8,
+    )
+    .await;
     Ok(())
 }

@@ -18,6 +18,7 @@
 mod app;
 mod env;
 pub mod history;
+pub mod node;
 mod pipeline;
 pub mod rng;
 mod servers;
