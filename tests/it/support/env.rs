@@ -101,9 +101,30 @@ impl TestEnv {
             .await
             .unwrap_or_else(|e| panic!("is the stack up? {e:#}"));
         let buckets = tally::domain::Layout::new(TEST_BUCKETS).ok();
-        store::migrate::run(&admin, &cassandra.keyspace, &replication, buckets)
-            .await
-            .unwrap_or_else(|e| panic!("migrate failed: {e:#}"));
+        let mut restarted = false;
+        loop {
+            match store::migrate::run(&admin, &cassandra.keyspace, &replication, buckets).await {
+                Ok(_) => break,
+                // On the cluster, a node that dropped a DDL's schema pushes
+                // stays behind until it restarts (see
+                // `restart_nodes_out_of_schema_agreement`); the migrations
+                // are idempotent, so they are applied again after it.
+                Err(e)
+                    if !restarted
+                        && matches!(replication, Replication::NetworkTopology(_))
+                        && format!("{e:#}").contains("schema agreement") =>
+                {
+                    eprintln!("migrate: {e:#}");
+                    tokio::task::spawn_blocking(
+                        super::stack::restart_nodes_out_of_schema_agreement,
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                    restarted = true;
+                }
+                Err(e) => panic!("migrate failed: {e:#}"),
+            }
+        }
         bus::admin::ensure_topics(&kafka, TEST_PARTITIONS, topic_replication)
             .await
             .unwrap_or_else(|e| panic!("topics: {e:#}"));
