@@ -33,7 +33,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use support::{Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, env_num, store_runs};
+use support::{
+    Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, cassandra_cpu_micros, cpu_micros,
+    env_num, store_runs,
+};
 
 const SECRET: &str = "bench-secret-of-32-bytes-or-more-0123";
 const VOTERS: u64 = 5_000;
@@ -86,6 +89,43 @@ struct Step {
     errors: u64,
     /// `tally vote`'s CPU time per request sent, in microseconds.
     server_cpu_us: f64,
+    /// Cassandra's CPU time per request sent, in microseconds (with the
+    /// consumer's and the relay's work in that time).
+    #[serde(default)]
+    cassandra_cpu_us: f64,
+}
+
+/// CPU time of `tally vote` and of Cassandra at one moment, to subtract
+/// from a later one.
+#[derive(Clone, Copy)]
+struct CpuMark {
+    pid: u32,
+    tally: u64,
+    cassandra: u64,
+}
+
+/// CPU time used since a mark, in microseconds.
+#[derive(Clone, Copy, Default)]
+struct CpuUsed {
+    tally: u64,
+    cassandra: u64,
+}
+
+impl CpuMark {
+    fn now(pid: u32) -> CpuMark {
+        CpuMark {
+            pid,
+            tally: cpu_micros(pid),
+            cassandra: cassandra_cpu_micros(),
+        }
+    }
+
+    fn used(&self) -> CpuUsed {
+        CpuUsed {
+            tally: cpu_micros(self.pid).saturating_sub(self.tally),
+            cassandra: cassandra_cpu_micros().saturating_sub(self.cassandra),
+        }
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -731,14 +771,14 @@ impl Vegeta {
                     .arg("-max-workers=20000");
             }
         }
-        let cpu_before = cpu_micros(api.pid());
+        let mark = CpuMark::now(api.pid());
         let started = Instant::now();
         let status = cmd
             .stdout(Stdio::null())
             .status()
             .unwrap_or_else(|e| panic!("vegeta attack: {e}"));
         let seconds = started.elapsed().as_secs_f64().min(secs as f64 + 10.0);
-        let cpu = cpu_micros(api.pid()).saturating_sub(cpu_before);
+        let cpu = mark.used();
         assert!(status.success(), "vegeta attack failed");
         let step = self.read(&results, load, secs as f64, seconds, cpu);
         if lazy && step.sent >= count {
@@ -751,7 +791,7 @@ impl Vegeta {
 
     /// Sorts vegeta's results by outcome, from its CSV encoding:
     /// timestamp, status code, latency in ns, then fields not used here.
-    fn read(&self, results: &Path, load: Load, secs: f64, _wall: f64, cpu_us: u64) -> Step {
+    fn read(&self, results: &Path, load: Load, secs: f64, _wall: f64, cpu: CpuUsed) -> Step {
         let out = Command::new(&self.bin)
             .args(["encode", "-to", "csv"])
             .stdin(std::fs::File::open(results).unwrap_or_else(|e| panic!("{e}")))
@@ -793,7 +833,8 @@ impl Vegeta {
             refused: refused.len(),
             refused_ms: support::percentiles(&refused),
             errors,
-            server_cpu_us: cpu_us as f64 / sent.max(1) as f64,
+            server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
+            cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
         }
     }
 }
@@ -906,7 +947,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         .unwrap_or_else(|e| panic!("{e}"));
     let tokens = Arc::new(tokens.to_vec());
     let deadline = Instant::now() + Duration::from_secs(secs);
-    let cpu_before = cpu_micros(api.pid());
+    let mark = CpuMark::now(api.pid());
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let (client, tokens, base) = (client.clone(), tokens.clone(), api.base.clone());
@@ -952,7 +993,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         errors += e;
     }
     let sent = ok.len() + refused.len() + errors;
-    let cpu = cpu_micros(api.pid()).saturating_sub(cpu_before);
+    let cpu = mark.used();
     Step {
         offered: None,
         workers: Some(64),
@@ -963,35 +1004,9 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         refused: refused.len(),
         refused_ms: support::percentiles(&refused),
         errors,
-        server_cpu_us: cpu as f64 / sent.max(1) as f64,
+        server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
+        cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
     }
-}
-
-/// `pid`'s CPU time so far (user + system), in microseconds.
-fn cpu_micros(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    // After the command name (which may hold spaces) in parentheses: state is
-    // field 3, utime 14 and stime 15.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return 0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
-        .sum();
-    ticks * 1_000_000 / clock_ticks()
-}
-
-fn clock_ticks() -> u64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .unwrap_or(100)
 }
 
 /// Standard base64 with padding, for vegeta's JSON bodies.
@@ -1035,9 +1050,9 @@ fn report(r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request |"
+        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request |"
     );
-    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: |");
     for (name, step) in [
         ("/healthz, 64 in flight", &r.healthz),
         ("POST /v1/votes, 64 in flight", &r.votes_closed),
@@ -1053,16 +1068,16 @@ fn report(r: &Results) {
         if let Some(s) = step {
             let _ = writeln!(
                 md,
-                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs |",
-                s.goodput, s.ok_ms.p50, s.ok_ms.p99, s.server_cpu_us
+                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs | {:.0} µs |",
+                s.goodput, s.ok_ms.p50, s.ok_ms.p99, s.server_cpu_us, s.cassandra_cpu_us
             );
         }
     }
     for s in &r.store {
         let _ = writeln!(
             md,
-            "| store: {}, 64 in flight | {:.0} | {:.2} | {:.2} | |",
-            s.name, s.ops_per_sec, s.latency_ms.p50, s.latency_ms.p99
+            "| store: {}, 64 in flight | {:.0} | {:.2} | {:.2} | | {:.0} µs |",
+            s.name, s.ops_per_sec, s.latency_ms.p50, s.latency_ms.p99, s.store_cpu_us
         );
     }
     let _ = writeln!(

@@ -43,14 +43,21 @@ pub fn report(r: &Results) {
     if !r.store.is_empty() {
         let _ = writeln!(
             md,
-            "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts |\n|---|---:|---:|---:|---:|---:|---:|"
+            "| store, 64 in flight | ops/s | p50 ms | p95 ms | p99 ms | CAS timeouts | conflicts | Cassandra CPU per op |\n|---|---:|---:|---:|---:|---:|---:|---:|"
         );
         for s in &r.store {
             let l = s.latency_ms;
             let _ = writeln!(
                 md,
-                "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |",
-                s.name, s.ops_per_sec, l.p50, l.p95, l.p99, s.cas_unknown, s.conflicts
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} µs |",
+                s.name,
+                s.ops_per_sec,
+                l.p50,
+                l.p95,
+                l.p99,
+                s.cas_unknown,
+                s.conflicts,
+                s.store_cpu_us
             );
         }
         let rate = |op| super::support::rate_of(&r.store, op);
@@ -129,11 +136,13 @@ pub fn report(r: &Results) {
     if let (Some(api), Some(bare)) = (&r.e2e_closed_loop_writes, r.store.get(1)) {
         let _ = writeln!(
             md,
-            "Vote API closed loop (64 in flight): {:.0} votes/s, p95 {:.1} ms, {} errors; store bare LWT rate {:.0}/s; API / store: {:.2}x",
+            "Vote API closed loop (64 in flight): {:.0} votes/s, p95 {:.1} ms, {} errors, {:.0} µs of Cassandra CPU per vote; store bare LWT rate {:.0}/s at {:.0} µs; API / store: {:.2}x",
             api.ops_per_sec,
             api.latency_ms.p95,
             api.conflicts,
+            api.store_cpu_us,
             bare.ops_per_sec,
+            bare.store_cpu_us,
             api.ops_per_sec / bare.ops_per_sec
         );
     }

@@ -395,6 +395,10 @@ pub struct StoreRun {
     pub latency_ms: Percentiles,
     pub cas_unknown: u64,
     pub conflicts: u64,
+    /// Cassandra's CPU time per operation (every node's, summed), in
+    /// microseconds: on one machine this, more than latency, says what an
+    /// operation costs the store.
+    pub store_cpu_us: f64,
 }
 
 /// The store and the plain statements the store runs measure against.
@@ -432,7 +436,11 @@ impl StoreOps {
 }
 
 /// One store run's latencies, seconds, CAS timeouts and conflicts.
-type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64);
+type Ran = (hdrhistogram::Histogram<u64>, f64, u64, u64);
+
+/// A store run's figures over its rounds: those of `Ran`, then Cassandra's
+/// CPU time in microseconds.
+type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64, u64);
 
 /// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
 /// `secs / rounds`, each round in an order rotated by one: whatever the
@@ -470,27 +478,31 @@ pub async fn store_runs(
                 "store: {name}, 64 in flight, round {} of {rounds}",
                 round + 1
             );
+            let cpu_before = cassandra_cpu_micros();
             let (h, elapsed, unknown, conflicts) =
                 store_run(ops, (*op, *hot, i), &hints[i], secs / rounds, round).await;
+            let cpu = cassandra_cpu_micros().saturating_sub(cpu_before);
             match &mut totals[i] {
-                Some((all, e, u, c)) => {
+                Some((all, e, u, c, p)) => {
                     all.add(&h).unwrap_or_else(|e| panic!("{e}"));
                     *e += elapsed;
                     *u += unknown;
                     *c += conflicts;
+                    *p += cpu;
                 }
-                slot => *slot = Some((h, elapsed, unknown, conflicts)),
+                slot => *slot = Some((h, elapsed, unknown, conflicts, cpu)),
             }
         }
     }
     runs.iter()
         .zip(totals)
         .filter_map(|((name, op, hot), t)| {
-            t.map(|(all, elapsed, unknown, conflicts)| StoreRun {
+            t.map(|(all, elapsed, unknown, conflicts, cpu)| StoreRun {
                 name: (*name).into(),
                 op: format!("{op:?}"),
                 hot: *hot,
                 ops_per_sec: all.len() as f64 / elapsed,
+                store_cpu_us: cpu as f64 / all.len().max(1) as f64,
                 latency_ms: percentiles(&all),
                 cas_unknown: unknown,
                 conflicts,
@@ -509,7 +521,7 @@ async fn store_run(
     hints: &std::sync::Arc<tally::cast::Hints>,
     secs: Duration,
     round: u32,
-) -> Measured {
+) -> Ran {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
     use tally::domain::{TargetId, UserId};
@@ -621,3 +633,53 @@ async fn store_run(
         conflicts.load(Ordering::Relaxed),
     )
 }
+
+/// `pid`'s CPU time so far (user + system), in microseconds; 0 if it is gone.
+pub fn cpu_micros(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // After the command name (which may hold spaces) in parentheses: state is
+    // field 3, utime 14 and stime 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
+        .sum();
+    ticks * 1_000_000 / clock_ticks()
+}
+
+fn clock_ticks() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100)
+    })
+}
+
+/// The CPU time so far of every Cassandra node on this machine, summed, in
+/// microseconds: the nodes are found by their main class, so one node and a
+/// cluster are measured alike.
+pub fn cassandra_cpu_micros() -> u64 {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    procs
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(DAEMON.len()).any(|w| w == DAEMON))
+        })
+        .map(cpu_micros)
+        .sum()
+}
+
+const DAEMON: &[u8] = b"org.apache.cassandra.service.CassandraDaemon";
