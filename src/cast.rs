@@ -524,10 +524,12 @@ impl Caster {
                     .apply_committed(&transition.target_id, &change)
                     .await;
                 let _ = cached.send(());
-                after
-                    .publish(&transition, &user, &key, intent, &request_id)
-                    .await;
+                let taken = after.publish(&transition, &user, &request_id).await;
                 let _ = published.send(());
+                // After the answer may have gone: the mark lingers.
+                if let (true, Some(slot)) = (taken, intent) {
+                    after.resolve(slot, &user, &key).await;
+                }
             });
             // Only a panic in the task can drop a sender; the vote stands.
             let _ = cache_done.await;
@@ -565,28 +567,18 @@ impl AfterCommit {
         }
     }
 
-    /// Offers the transition to Kafka once. If Kafka does not take it, the
-    /// vote still stands and the relay publishes it from the outbox.
-    async fn publish(
-        &self,
-        transition: &Transition,
-        user: &UserId,
-        key: &IdempotencyKey,
-        intent: Option<Slot>,
-        request_id: &str,
-    ) {
+    /// Offers the transition to Kafka once; whether Kafka took it. If not,
+    /// the vote still stands and the relay publishes it from the outbox.
+    async fn publish(&self, transition: &Transition, user: &UserId, request_id: &str) -> bool {
         match self.publisher.publish(transition, request_id).await {
-            Ok(()) => {
-                if let Some(slot) = intent {
-                    self.resolve(slot, user, key).await;
-                }
-            }
+            Ok(()) => true,
             Err(e) => {
                 metrics::counter!(crate::metrics::PUBLISH_DEFERRED).increment(1);
                 tracing::warn!(
                     user = %user, target_id = %transition.target_id, version = transition.version,
                     error = format!("{e:#}"), "transition not published now; the relay will publish it"
                 );
+                false
             }
         }
     }

@@ -189,7 +189,7 @@ impl Relay {
             Ok(published) => {
                 self.store
                     .outbox
-                    .resolve(intent.slot, &intent.user, &intent.key)
+                    .resolve_now(intent.slot, &intent.user, &intent.key)
                     .await?;
                 Ok(Ok(published))
             }

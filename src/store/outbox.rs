@@ -13,6 +13,13 @@
 //! shard of the bucket, a single mutation of one partition. Under load a vote
 //! then costs Cassandra a fraction of a plain write for its intent, not a
 //! whole one; alone, a vote waits for nobody.
+//!
+//! Marks go where their intents are, so the marks waiting at one moment
+//! span many partitions, about one row each. Nobody waits on a mark, so a
+//! mark lingers (`MARK_LINGER`) for others of its partition, and a partition's
+//! marks are written when there are `GROUP_MAX` of them or the oldest has
+//! waited that long. A mark lost in a crash while it lingers costs the
+//! relay one check, like any lost mark.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,6 +46,11 @@ pub const SHARDS: i32 = 16;
 /// The most rows one grouped write carries: about 3 KB of intents, under
 /// Cassandra's default batch size warning (5 KB).
 const GROUP_MAX: usize = 32;
+
+/// How long a mark waits for others of its partition. Far below the
+/// relay's settling time, so the relay rarely checks an intent whose mark
+/// is on its way.
+pub const MARK_LINGER: Duration = Duration::from_millis(500);
 
 /// Grouped writes of one kind in flight at once. While they are, the next
 /// votes wait in the queue, and that wait is what forms the next group.
@@ -84,8 +96,10 @@ pub fn shard_of(user: &UserId) -> i32 {
 pub struct Outbox {
     session: Arc<Session>,
     intents: mpsc::Sender<Waiting>,
-    resolves: mpsc::Sender<Waiting>,
-    /// What the two grouped writers are started from, again for each session.
+    /// Marks that may linger (the votes'), and marks written as soon as a
+    /// place is free (the relay's, whose pass waits on them).
+    marks: Marks,
+    /// What the grouped writers are started from, again for each session.
     writers: Writers,
     resolved: PreparedStatement,
     bucket: PreparedStatement,
@@ -148,11 +162,11 @@ impl Outbox {
             consistency: levels.quorum,
             ttl_secs,
         };
-        let (intents, resolves) = writers.start(&session);
+        let (intents, marks) = writers.start(&session);
         Ok(Outbox {
             session,
             intents,
-            resolves,
+            marks,
             writers,
             resolved,
             bucket,
@@ -164,10 +178,10 @@ impl Outbox {
     /// The same statements over another session, with grouped writers of
     /// its own, started on the calling thread's runtime.
     pub fn on(&self, session: Arc<Session>) -> Outbox {
-        let (intents, resolves) = self.writers.start(&session);
+        let (intents, marks) = self.writers.start(&session);
         Outbox {
             intents,
-            resolves,
+            marks,
             writers: self.writers.clone(),
             resolved: self.resolved.clone(),
             bucket: self.bucket.clone(),
@@ -185,13 +199,29 @@ impl Outbox {
 
     /// Marks an intent resolved: its transition is published, counted, or
     /// was never committed. Losing this write only costs the relay a check.
+    /// The mark lingers for others of its partition: this returns up to
+    /// `MARK_LINGER` after it is asked, so nothing a client waits for may
+    /// wait on it.
     pub async fn resolve(
         &self,
         slot: Slot,
         user: &UserId,
         key: &IdempotencyKey,
     ) -> Result<(), StoreError> {
-        wait_for(&self.resolves, Some(slot), user, key).await?;
+        wait_for(&self.marks.lingering, Some(slot), user, key).await?;
+        Ok(())
+    }
+
+    /// The same mark, grouped only with the marks waiting at this moment:
+    /// for the relay, which checks a few intents at a time and waits for
+    /// each one's mark.
+    pub async fn resolve_now(
+        &self,
+        slot: Slot,
+        user: &UserId,
+        key: &IdempotencyKey,
+    ) -> Result<(), StoreError> {
+        wait_for(&self.marks.now, Some(slot), user, key).await?;
         Ok(())
     }
 
@@ -241,6 +271,14 @@ impl Outbox {
     }
 }
 
+/// Until `due`, or forever when there is nothing held.
+async fn sleep_until(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One row waiting for a grouped write, and who to tell.
 struct Waiting {
     slot: Option<Slot>,
@@ -284,19 +322,26 @@ struct Writers {
     ttl_secs: i32,
 }
 
+/// The queues of the two writers of marks.
+struct Marks {
+    lingering: mpsc::Sender<Waiting>,
+    now: mpsc::Sender<Waiting>,
+}
+
 impl Writers {
-    fn start(&self, session: &Arc<Session>) -> (mpsc::Sender<Waiting>, mpsc::Sender<Waiting>) {
-        let writer = |statement: &PreparedStatement| {
-            Grouped {
-                session: session.clone(),
-                statement: statement.clone(),
-                consistency: self.consistency,
-                ttl_secs: self.ttl_secs,
-                next_shard: AtomicI32::new(0),
-            }
-            .start()
+    fn start(&self, session: &Arc<Session>) -> (mpsc::Sender<Waiting>, Marks) {
+        let writer = |statement: &PreparedStatement| Grouped {
+            session: session.clone(),
+            statement: statement.clone(),
+            consistency: self.consistency,
+            ttl_secs: self.ttl_secs,
+            next_shard: AtomicI32::new(0),
         };
-        (writer(&self.intend), writer(&self.resolve))
+        let marks = Marks {
+            lingering: writer(&self.resolve).start_lingering(MARK_LINGER),
+            now: writer(&self.resolve).start(),
+        };
+        (writer(&self.intend).start(), marks)
     }
 }
 
@@ -351,17 +396,94 @@ impl Grouped {
         }
     }
 
-    /// The rows, by the partition each goes to. Rows that may go anywhere
-    /// (intents, whose records will say where) share the next shard in
-    /// turn; marks go where their intents are.
-    fn partitions(&self, rows: Vec<Waiting>) -> HashMap<Slot, Vec<Waiting>> {
-        let anywhere = Slot {
+    fn start_lingering(self, linger: Duration) -> mpsc::Sender<Waiting> {
+        let (tx, rx) = mpsc::channel(4 * GROUP_MAX * GROUPS_IN_FLIGHT);
+        tokio::spawn(self.linger(rx, linger));
+        tx
+    }
+
+    /// Holds rows by partition until a partition has `GROUP_MAX` of them or
+    /// its oldest has waited `linger`, then writes that partition's. When
+    /// the sender is dropped, writes what it holds and ends.
+    async fn linger(self, mut rx: mpsc::Receiver<Waiting>, linger: Duration) {
+        let this = Arc::new(self);
+        let in_flight = Arc::new(Semaphore::new(GROUPS_IN_FLIGHT));
+        let mut held: HashMap<Slot, (tokio::time::Instant, Vec<Waiting>)> = HashMap::new();
+        loop {
+            let due = held.values().map(|(since, _)| *since + linger).min();
+            let next = tokio::select! {
+                next = rx.recv() => next,
+                () = sleep_until(due) => {
+                    let now = tokio::time::Instant::now();
+                    let ripe: Vec<Slot> = held
+                        .iter()
+                        .filter(|(_, (since, _))| *since + linger <= now)
+                        .map(|(slot, _)| *slot)
+                        .collect();
+                    for slot in ripe {
+                        if let Some((_, rows)) = held.remove(&slot) {
+                            this.write_held(&in_flight, slot, rows).await;
+                        }
+                    }
+                    continue;
+                }
+            };
+            let Some(w) = next else {
+                for (slot, (_, rows)) in held.drain() {
+                    this.write_held(&in_flight, slot, rows).await;
+                }
+                return;
+            };
+            let slot = w.slot.unwrap_or_else(|| this.next_slot());
+            let (_, rows) = held
+                .entry(slot)
+                .or_insert_with(|| (tokio::time::Instant::now(), Vec::new()));
+            rows.push(w);
+            if rows.len() >= GROUP_MAX
+                && let Some((_, rows)) = held.remove(&slot)
+            {
+                this.write_held(&in_flight, slot, rows).await;
+            }
+        }
+    }
+
+    /// Writes one partition's held rows in a task of its own, once fewer
+    /// than `GROUPS_IN_FLIGHT` writes are running.
+    async fn write_held(
+        self: &Arc<Self>,
+        in_flight: &Arc<Semaphore>,
+        slot: Slot,
+        rows: Vec<Waiting>,
+    ) {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let this = self.clone();
+        tokio::spawn(async move {
+            let result = this.write(slot, &rows).await.map(|()| slot);
+            for w in rows {
+                let _ = w.done.send(result.clone());
+            }
+            drop(permit);
+        });
+    }
+
+    /// The slot of rows that may go anywhere: this bucket, the next shard.
+    fn next_slot(&self) -> Slot {
+        Slot {
             bucket: bucket_at(SystemTime::now()),
             shard: self
                 .next_shard
                 .fetch_add(1, Ordering::Relaxed)
                 .rem_euclid(SHARDS),
-        };
+        }
+    }
+
+    /// The rows, by the partition each goes to. Rows that may go anywhere
+    /// (intents, whose records will say where) share the next shard in
+    /// turn; marks go where their intents are.
+    fn partitions(&self, rows: Vec<Waiting>) -> HashMap<Slot, Vec<Waiting>> {
+        let anywhere = self.next_slot();
         let mut by_slot: HashMap<Slot, Vec<Waiting>> = HashMap::new();
         for w in rows {
             by_slot

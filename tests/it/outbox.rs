@@ -345,3 +345,47 @@ async fn votes_that_leave_nothing_to_publish_mark_their_intents_so_the_relay_ski
     .await;
     Ok(())
 }
+
+#[tokio::test]
+async fn lingering_marks_are_all_written_whether_their_partition_fills_or_not() -> TestResult {
+    use tally::domain::{IdempotencyKey, UserId};
+    use tally::store::outbox::{SHARDS, Slot, bucket_at};
+    let env = TestEnv::new().await;
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
+    let bucket = bucket_at(std::time::SystemTime::now());
+    // 40 marks in one partition: more than one grouped write holds, so one
+    // goes when the partition fills and the rest when they have lingered;
+    // and one mark alone in each of two other partitions.
+    let slot = |shard| Slot { bucket, shard };
+    let mut marks = Vec::new();
+    for i in 0..40 {
+        marks.push((slot(0), format!("m{i}")));
+    }
+    marks.push((slot(1), "alone1".to_owned()));
+    marks.push((slot(SHARDS - 1), "alone2".to_owned()));
+    let parsed: Vec<(Slot, UserId, IdempotencyKey)> = marks
+        .iter()
+        .map(|(s, user)| Ok((*s, UserId::parse(user)?, IdempotencyKey::parse(&new_key())?)))
+        .collect::<anyhow::Result<_>>()?;
+    // A partition that never fills must still be written: bounded, so a
+    // mark held forever fails the test instead of hanging it.
+    let written = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures::future::join_all(
+            parsed
+                .iter()
+                .map(|(s, user, key)| store.outbox.resolve(*s, user, key)),
+        ),
+    )
+    .await?;
+    for (w, (s, user, _)) in written.iter().zip(&parsed) {
+        assert!(w.is_ok(), "{user}'s mark in {s:?}: {w:?}");
+    }
+    for (s, user, key) in &parsed {
+        assert!(
+            store.outbox.is_resolved(*s, user, key).await?,
+            "{user}'s mark in {s:?} was answered written but is not there"
+        );
+    }
+    Ok(())
+}
