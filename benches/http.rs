@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use support::{
     Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, cassandra_cpu_micros, cpu_micros,
-    env_num, store_runs,
+    env_num, machine_cpu_micros, store_runs,
 };
 
 const SECRET: &str = "bench-secret-of-32-bytes-or-more-0123";
@@ -93,6 +93,10 @@ struct Step {
     /// consumer's and the relay's work in that time).
     #[serde(default)]
     cassandra_cpu_us: f64,
+    /// The whole machine's busy CPU time per request sent, in microseconds:
+    /// every server's, the generator's and the kernel's.
+    #[serde(default)]
+    machine_cpu_us: f64,
 }
 
 /// CPU time of `tally vote` and of Cassandra at one moment, to subtract
@@ -102,6 +106,7 @@ struct CpuMark {
     pid: u32,
     tally: u64,
     cassandra: u64,
+    machine: u64,
 }
 
 /// CPU time used since a mark, in microseconds.
@@ -109,6 +114,7 @@ struct CpuMark {
 struct CpuUsed {
     tally: u64,
     cassandra: u64,
+    machine: u64,
 }
 
 impl CpuMark {
@@ -117,6 +123,7 @@ impl CpuMark {
             pid,
             tally: cpu_micros(pid),
             cassandra: cassandra_cpu_micros(),
+            machine: machine_cpu_micros(),
         }
     }
 
@@ -124,6 +131,7 @@ impl CpuMark {
         CpuUsed {
             tally: cpu_micros(self.pid).saturating_sub(self.tally),
             cassandra: cassandra_cpu_micros().saturating_sub(self.cassandra),
+            machine: machine_cpu_micros().saturating_sub(self.machine),
         }
     }
 }
@@ -479,16 +487,18 @@ async fn against(other: PathBuf) {
         other.display()
     );
     println!(
-        "| build | round | votes/s | vote p99 ms | CPU per vote | pages/s | page p99 ms | CPU per page |"
+        "| build | round | votes/s | vote p99 ms | CPU per vote | Cassandra CPU per vote | machine CPU per vote | pages/s | page p99 ms | CPU per page |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (b, round, v, p) in &runs {
         println!(
-            "| {} | {round} | {:.0} | {:.1} | {:.0} µs | {:.0} | {:.1} | {:.0} µs |",
+            "| {} | {round} | {:.0} | {:.1} | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} | {:.1} | {:.0} µs |",
             builds[*b].0,
             v.goodput,
             v.ok_ms.p99,
             v.server_cpu_us,
+            v.cassandra_cpu_us,
+            v.machine_cpu_us,
             p.goodput,
             p.ok_ms.p99,
             p.server_cpu_us
@@ -496,9 +506,11 @@ async fn against(other: PathBuf) {
     }
     let ratio = |f: &dyn Fn(&AbRun) -> f64| median(0, f) / median(1, f).max(1e-9);
     println!(
-        "\nMedians, this build over the other: votes/s {:.2}x, CPU per vote {:.2}x, pages/s {:.2}x, CPU per page {:.2}x",
+        "\nMedians, this build over the other: votes/s {:.2}x, CPU per vote {:.2}x, Cassandra CPU per vote {:.2}x, machine CPU per vote {:.2}x, pages/s {:.2}x, CPU per page {:.2}x",
         ratio(&|r| r.2.goodput),
         ratio(&|r| r.2.server_cpu_us),
+        ratio(&|r| r.2.cassandra_cpu_us),
+        ratio(&|r| r.2.machine_cpu_us),
         ratio(&|r| r.3.goodput),
         ratio(&|r| r.3.server_cpu_us),
     );
@@ -835,6 +847,7 @@ impl Vegeta {
             errors,
             server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
+            machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
         }
     }
 }
@@ -1006,6 +1019,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         errors,
         server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
         cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
+        machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
     }
 }
 
@@ -1050,9 +1064,9 @@ fn report(r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request |"
+        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request | machine CPU per request |"
     );
-    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (name, step) in [
         ("/healthz, 64 in flight", &r.healthz),
         ("POST /v1/votes, 64 in flight", &r.votes_closed),
@@ -1068,16 +1082,26 @@ fn report(r: &Results) {
         if let Some(s) = step {
             let _ = writeln!(
                 md,
-                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs | {:.0} µs |",
-                s.goodput, s.ok_ms.p50, s.ok_ms.p99, s.server_cpu_us, s.cassandra_cpu_us
+                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs | {:.0} µs | {:.0} µs |",
+                s.goodput,
+                s.ok_ms.p50,
+                s.ok_ms.p99,
+                s.server_cpu_us,
+                s.cassandra_cpu_us,
+                s.machine_cpu_us
             );
         }
     }
     for s in &r.store {
         let _ = writeln!(
             md,
-            "| store: {}, 64 in flight | {:.0} | {:.2} | {:.2} | | {:.0} µs |",
-            s.name, s.ops_per_sec, s.latency_ms.p50, s.latency_ms.p99, s.store_cpu_us
+            "| store: {}, 64 in flight | {:.0} | {:.2} | {:.2} | | {:.0} µs | {:.0} µs |",
+            s.name,
+            s.ops_per_sec,
+            s.latency_ms.p50,
+            s.latency_ms.p99,
+            s.store_cpu_us,
+            s.machine_cpu_us
         );
     }
     let _ = writeln!(

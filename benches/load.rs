@@ -254,7 +254,10 @@ async fn e2e_section(results: &mut Results) {
     // against the store's bare conditional-write rate.
     eprintln!("e2e: closed loop, 64 in flight, {secs}s");
     let deadline = Instant::now() + Duration::from_secs(secs);
-    let cpu_before = support::cassandra_cpu_micros();
+    let cpu_before = (
+        support::cassandra_cpu_micros(),
+        support::machine_cpu_micros(),
+    );
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let (client, tokens, base) = (client.clone(), tokens.clone(), base.clone());
@@ -283,7 +286,9 @@ async fn e2e_section(results: &mut Results) {
         op: "api".into(),
         hot: false,
         ops_per_sec: all.len() as f64 / started.elapsed().as_secs_f64(),
-        store_cpu_us: support::cassandra_cpu_micros().saturating_sub(cpu_before) as f64
+        store_cpu_us: support::cassandra_cpu_micros().saturating_sub(cpu_before.0) as f64
+            / all.len().max(1) as f64,
+        machine_cpu_us: support::machine_cpu_micros().saturating_sub(cpu_before.1) as f64
             / all.len().max(1) as f64,
         latency_ms: percentiles(&all),
         cas_unknown: 0,

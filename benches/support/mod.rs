@@ -399,6 +399,9 @@ pub struct StoreRun {
     /// microseconds: on one machine this, more than latency, says what an
     /// operation costs the store.
     pub store_cpu_us: f64,
+    /// The whole machine's busy CPU time per operation, in microseconds:
+    /// the store's, the client's and the kernel's.
+    pub machine_cpu_us: f64,
 }
 
 /// The store and the plain statements the store runs measure against.
@@ -439,8 +442,8 @@ impl StoreOps {
 type Ran = (hdrhistogram::Histogram<u64>, f64, u64, u64);
 
 /// A store run's figures over its rounds: those of `Ran`, then Cassandra's
-/// CPU time in microseconds.
-type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64, u64);
+/// and the machine's CPU time in microseconds.
+type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64, (u64, u64));
 
 /// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
 /// `secs / rounds`, each round in an order rotated by one: whatever the
@@ -478,17 +481,21 @@ pub async fn store_runs(
                 "store: {name}, 64 in flight, round {} of {rounds}",
                 round + 1
             );
-            let cpu_before = cassandra_cpu_micros();
+            let cpu_before = (cassandra_cpu_micros(), machine_cpu_micros());
             let (h, elapsed, unknown, conflicts) =
                 store_run(ops, (*op, *hot, i), &hints[i], secs / rounds, round).await;
-            let cpu = cassandra_cpu_micros().saturating_sub(cpu_before);
+            let cpu = (
+                cassandra_cpu_micros().saturating_sub(cpu_before.0),
+                machine_cpu_micros().saturating_sub(cpu_before.1),
+            );
             match &mut totals[i] {
                 Some((all, e, u, c, p)) => {
                     all.add(&h).unwrap_or_else(|e| panic!("{e}"));
                     *e += elapsed;
                     *u += unknown;
                     *c += conflicts;
-                    *p += cpu;
+                    p.0 += cpu.0;
+                    p.1 += cpu.1;
                 }
                 slot => *slot = Some((h, elapsed, unknown, conflicts, cpu)),
             }
@@ -502,7 +509,8 @@ pub async fn store_runs(
                 op: format!("{op:?}"),
                 hot: *hot,
                 ops_per_sec: all.len() as f64 / elapsed,
-                store_cpu_us: cpu as f64 / all.len().max(1) as f64,
+                store_cpu_us: cpu.0 as f64 / all.len().max(1) as f64,
+                machine_cpu_us: cpu.1 as f64 / all.len().max(1) as f64,
                 latency_ms: percentiles(&all),
                 cas_unknown: unknown,
                 conflicts,
@@ -683,3 +691,23 @@ pub fn cassandra_cpu_micros() -> u64 {
 }
 
 const DAEMON: &[u8] = b"org.apache.cassandra.service.CassandraDaemon";
+
+/// The busy CPU time of the whole machine so far (user, nice, system, irq
+/// and softirq of every CPU, from /proc/stat; not idle, iowait or time a
+/// hypervisor took), in microseconds.
+pub fn machine_cpu_micros() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    let Some(line) = stat.lines().next() else {
+        return 0;
+    };
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...
+    let busy: u64 = [0, 1, 2, 5, 6].iter().filter_map(|&i| fields.get(i)).sum();
+    busy * 1_000_000 / clock_ticks()
+}
