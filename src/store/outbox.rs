@@ -383,15 +383,7 @@ impl Grouped {
             // they span.
             let permit = Arc::new(permit);
             for (slot, group) in this.partitions(rows) {
-                let this = this.clone();
-                let permit = permit.clone();
-                tokio::spawn(async move {
-                    let result = this.write(slot, &group).await.map(|()| slot);
-                    for w in group {
-                        let _ = w.done.send(result.clone());
-                    }
-                    drop(permit);
-                });
+                this.spawn_write(slot, group, permit.clone());
             }
         }
     }
@@ -458,13 +450,20 @@ impl Grouped {
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
+        self.spawn_write(slot, rows, permit);
+    }
+
+    /// Writes `rows` to `slot` in a task of its own and tells each row how
+    /// it went; `place` (a place among the writes in flight) is held until
+    /// then.
+    fn spawn_write<P: Send + 'static>(self: &Arc<Self>, slot: Slot, rows: Vec<Waiting>, place: P) {
         let this = self.clone();
         tokio::spawn(async move {
             let result = this.write(slot, &rows).await.map(|()| slot);
             for w in rows {
                 let _ = w.done.send(result.clone());
             }
-            drop(permit);
+            drop(place);
         });
     }
 
