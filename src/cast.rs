@@ -226,6 +226,15 @@ impl Caster {
         }
     }
 
+    /// What a read of the user's rows found (a page's summary): the
+    /// user's next vote on one of them then guesses right, even when no
+    /// vote of theirs went through this process before.
+    pub fn saw(&self, user: &UserId, rows: &std::collections::HashMap<TargetId, Current>) {
+        for (target, c) in rows {
+            self.hints.remember(user, target, c.state, c.version);
+        }
+    }
+
     /// Whether this process registered the target recently, so a vote on
     /// it writes nothing to the registry.
     pub fn knows_target(&self, target: &TargetId) -> bool {

@@ -55,11 +55,14 @@ pub async fn summary(
                 .map_err(|e| ApiError::Unavailable(e.into()))
         },
     )?;
+    // A page is read before its buttons are pressed: a vote after it then
+    // costs one Paxos round, not a refused one first.
+    clients.caster.saw(&caller.user, &states);
     let items = targets
         .iter()
         .zip(totals)
         .map(|(t, totals)| {
-            let user_state = states.get(t).copied().unwrap_or(Reaction::None);
+            let user_state = states.get(t).map_or(Reaction::None, |c| c.state);
             (t.as_str().to_owned(), Item { totals, user_state })
         })
         .collect();

@@ -166,7 +166,7 @@ impl Reactions {
 
         let states = super::prepare(
             &session,
-            "SELECT target_id, state FROM reactions WHERE user_id = ? AND target_id IN ?",
+            "SELECT target_id, state, version FROM reactions WHERE user_id = ? AND target_id IN ?",
         )
         .await
         .context("prepare states")?;
@@ -395,24 +395,26 @@ impl Reactions {
         )
     }
 
-    /// The caller's state for each target (absent targets are `None`): one
-    /// single-partition query.
+    /// The caller's row of each target that has one (absent targets are
+    /// missing): one single-partition query. The version comes along for
+    /// the caller's next vote to guess from.
     pub async fn states(
         &self,
         user: &UserId,
         targets: &[TargetId],
-    ) -> Result<HashMap<TargetId, Reaction>, StoreError> {
+    ) -> Result<HashMap<TargetId, Current>, StoreError> {
         let ids: Vec<&str> = targets.iter().map(TargetId::as_str).collect();
         // At most a page's ids (summary::MAX_IDS): bounded by the query.
-        let rows: Vec<(String, Option<String>)> =
+        let rows: Vec<(String, Option<String>, Option<i64>)> =
             super::bounded_rows(&self.session, &self.states, (user.as_str(), ids)).await?;
         let mut out = HashMap::new();
-        for (target, state) in rows {
-            if let (Ok(target), Some(Ok(state))) = (
+        for (target, state, version) in rows {
+            if let (Ok(target), Some(Ok(state)), Some(version)) = (
                 TargetId::parse(&target),
                 state.map(|s| s.parse::<Reaction>()),
+                version,
             ) {
-                out.insert(target, state);
+                out.insert(target, Current { state, version });
             }
         }
         Ok(out)

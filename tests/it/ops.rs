@@ -8,7 +8,7 @@ use futures::FutureExt;
 use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, new_key};
 
 /// Sums the samples of `name` whose labels contain every `labels` fragment.
-fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+pub fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
     let mut found = None;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
@@ -22,7 +22,7 @@ fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
     found
 }
 
-async fn scrape(client: &reqwest::Client, url: &str) -> String {
+pub async fn scrape(client: &reqwest::Client, url: &str) -> String {
     client
         .get(url)
         .send()
@@ -195,20 +195,11 @@ async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> T
 
 #[tokio::test]
 async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_say() -> TestResult {
-    use crate::support::{JWT_SECRET, Proc, TestApp, free_port};
+    use crate::support::{Proc, free_port};
     let env = TestEnv::new().await;
     // Processes of their own: each has its own metrics, as in production.
-    let (port, ops, consumer_ops) = (free_port(), free_port(), free_port());
-    let _vote = Proc(
-        env.tally()
-            .arg("vote")
-            .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
-            .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"))
-            .env("TALLY_JWT_SECRET", JWT_SECRET)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()?,
-    );
+    let consumer_ops = free_port();
+    let (_vote, app) = env.spawn_vote_process(|_| {}).await?;
     let _consumer = Proc(
         env.tally()
             .arg("consumer")
@@ -217,12 +208,6 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
             .stderr(std::process::Stdio::null())
             .spawn()?,
     );
-    let app = TestApp {
-        address: format!("http://127.0.0.1:{port}"),
-        ops: format!("http://127.0.0.1:{ops}"),
-        client: reqwest::Client::new(),
-    };
-    crate::support::wait_until_healthy(&app.client, &app.address, Duration::from_secs(60)).await;
     let mut rng = Rng(5);
     assert_eq!(app.random_votes(&mut rng, 60, 12, 10, 8).await, 60);
     for _ in 0..3 {
@@ -230,7 +215,7 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
     }
     env.publish_raw("t0", b"not a transition").await;
     env.wait_until_no_drift(Duration::from_secs(60)).await;
-    let vote_ops = format!("http://127.0.0.1:{ops}");
+    let vote_ops = app.ops.clone();
     let consumer_url = format!("http://127.0.0.1:{consumer_ops}");
     eventually(
         "the dead letter to be counted",

@@ -109,38 +109,13 @@ async fn votes_of_a_process_killed_with_9_are_published_by_another_instances_rel
     let env = TestEnv::new().await;
     // A real `tally vote` process that cannot publish, so every vote it
     // answers is committed and unpublished when it dies.
-    let (port, ops_port) = (free_port(), free_port());
-    let mut child = env
-        .tally()
-        .arg("vote")
-        .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
-        .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))
-        .env("TALLY_JWT_SECRET", crate::support::JWT_SECRET)
-        .env("TALLY_KAFKA_BROKERS", format!("127.0.0.1:{}", free_port()))
-        .env("TALLY_PUBLISH_TIMEOUT", "500ms")
-        .env("TALLY_NO_RELAY", "true")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let doomed = TestApp {
-        address: format!("http://127.0.0.1:{port}"),
-        ops: format!("http://127.0.0.1:{ops_port}"),
-        client: reqwest::Client::new(),
-    };
-    eventually(
-        "the doomed instance to listen",
-        Duration::from_secs(60),
-        || async {
-            doomed
-                .client
-                .get(format!("{}/healthz", doomed.address))
-                .send()
-                .await
-                .ok()
-                .map(|_| ())
-        },
-    )
-    .await;
+    let (mut child, doomed) = env
+        .spawn_vote_process(|cmd| {
+            cmd.env("TALLY_KAFKA_BROKERS", format!("127.0.0.1:{}", free_port()))
+                .env("TALLY_PUBLISH_TIMEOUT", "500ms")
+                .env("TALLY_NO_RELAY", "true");
+        })
+        .await?;
     let mut answered = 0;
     for i in 0..15 {
         let reply = doomed
@@ -149,8 +124,7 @@ async fn votes_of_a_process_killed_with_9_are_published_by_another_instances_rel
         answered += usize::from(reply.status == 200);
     }
     assert_eq!(answered, 15);
-    child.kill()?;
-    child.wait()?;
+    child.kill9();
     assert_eq!(env.published(), 0);
 
     let relay = env.spawn_app_with(relaying(&env)).await;

@@ -432,3 +432,53 @@ async fn a_stale_belief_of_the_row_never_acknowledges_a_state_the_row_lacks() ->
     );
     Ok(())
 }
+
+/// A page is read before its buttons are pressed. The read tells the process
+/// the caller's rows, so the vote after it guesses the row right and takes one
+/// Paxos round, even when none of that user's votes went through this process.
+#[tokio::test]
+async fn a_vote_after_reading_its_page_takes_one_round_where_a_blind_one_takes_two() -> TestResult {
+    use crate::ops::{sample_sum, scrape};
+    let env = TestEnv::new().await;
+    // Rows written through another instance: the process below has seen none.
+    let first = env.spawn_app().await;
+    for user in ["reader", "stranger"] {
+        let liked = first.vote(user, new_key(), "page_item", "like").await;
+        assert_eq!(liked.status, 200, "{}", liked.body);
+    }
+    let (_process, other) = env.spawn_vote_process(|_| {}).await?;
+    let metrics = format!("{}/metrics", other.ops);
+    let refused = |text: &str| {
+        sample_sum(
+            text,
+            "tally_cas_total",
+            &["statement=\"vote\"", "outcome=\"not_applied\""],
+        )
+        .unwrap_or(0.0)
+    };
+
+    let page = other.summary("reader", "page_item").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(page.json()["items"]["page_item"]["user_state"], "like");
+    let after_page = other
+        .vote("reader", new_key(), "page_item", "dislike")
+        .await;
+    assert_eq!(after_page.status, 200, "{}", after_page.body);
+    assert_eq!(
+        refused(&scrape(&other.client, &metrics).await),
+        0.0,
+        "the vote after the page guessed the row the page read"
+    );
+
+    // The same vote with no page read first: the guess is "no row", refused
+    // once with the row, then written. The counter above could have moved.
+    let blind = other
+        .vote("stranger", new_key(), "page_item", "dislike")
+        .await;
+    assert_eq!(blind.status, 200, "{}", blind.body);
+    assert_eq!(refused(&scrape(&other.client, &metrics).await), 1.0);
+
+    let served = other.summary("reader", "page_item").await.json();
+    assert_eq!(served["items"]["page_item"]["user_state"], "dislike");
+    Ok(())
+}

@@ -188,6 +188,35 @@ pub async fn post_vote(
         .await
 }
 
+impl TestEnv {
+    /// A `tally vote` process of its own over this test's stores, as
+    /// another instance is in production (its own metrics, caches and
+    /// hints), once it answers `/healthz`. `configure` adds to its
+    /// environment; dropping the `Proc` kills it.
+    pub async fn spawn_vote_process(
+        &self,
+        configure: impl FnOnce(&mut std::process::Command),
+    ) -> std::io::Result<(super::Proc, TestApp)> {
+        let (port, ops) = (super::free_port(), super::free_port());
+        let mut cmd = self.tally();
+        cmd.arg("vote")
+            .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"))
+            .env("TALLY_JWT_SECRET", JWT_SECRET)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        configure(&mut cmd);
+        let process = super::Proc(cmd.spawn()?);
+        let app = TestApp {
+            address: format!("http://127.0.0.1:{port}"),
+            ops: format!("http://127.0.0.1:{ops}"),
+            client: reqwest::Client::new(),
+        };
+        wait_until_healthy(&app.client, &app.address, Duration::from_secs(60)).await;
+        Ok((process, app))
+    }
+}
+
 /// Waits until a `tally vote` process at `base` answers `/healthz`.
 pub async fn wait_until_healthy(
     client: &reqwest::Client,
