@@ -91,11 +91,9 @@ struct Step {
     server_cpu_us: f64,
     /// Cassandra's CPU time per request sent, in microseconds (with the
     /// consumer's and the relay's work in that time).
-    #[serde(default)]
     cassandra_cpu_us: f64,
     /// The whole machine's busy CPU time per request sent, in microseconds:
     /// every server's, the generator's and the kernel's.
-    #[serde(default)]
     machine_cpu_us: f64,
 }
 

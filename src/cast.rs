@@ -158,14 +158,26 @@ impl Hints {
 
     /// Remembers a row seen at `version`, unless a newer one is known.
     pub fn remember(&self, user: &UserId, target: &TargetId, state: Reaction, version: i64) {
-        let slot = self.slot(user, target);
-        if let Ok(mut seen) = self.seen.lock() {
+        self.remember_all(user, [(target, Current { state, version })]);
+    }
+
+    /// Remembers each of a user's rows seen, under one lock (a page's
+    /// worth at a time), unless a newer one is known.
+    fn remember_all<'a>(
+        &self,
+        user: &UserId,
+        rows: impl IntoIterator<Item = (&'a TargetId, Current)>,
+    ) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        for (target, current) in rows {
             if seen.len() >= HINTS {
                 seen.clear();
             }
-            let newer = seen.get(&slot).is_none_or(|c| c.version < version);
-            if newer {
-                seen.insert(slot, Current { state, version });
+            let slot = self.slot(user, target);
+            if seen.get(&slot).is_none_or(|c| c.version < current.version) {
+                seen.insert(slot, current);
             }
         }
     }
@@ -230,9 +242,8 @@ impl Caster {
     /// user's next vote on one of them then guesses right, even when no
     /// vote of theirs went through this process before.
     pub fn saw(&self, user: &UserId, rows: &std::collections::HashMap<TargetId, Current>) {
-        for (target, c) in rows {
-            self.hints.remember(user, target, c.state, c.version);
-        }
+        self.hints
+            .remember_all(user, rows.iter().map(|(t, c)| (t, *c)));
     }
 
     /// Whether this process registered the target recently, so a vote on
