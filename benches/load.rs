@@ -3,8 +3,9 @@
 //!
 //! - store: vote writes with 64 in flight, conditional (the real store code)
 //!   against plain upserts, and a viral target against a uniform spread;
-//! - consumer: Zipf(1.1) transitions over 10,000 targets counted by the real
-//!   consumer, batched against one write per event;
+//! - consumer: transitions counted by the real consumer, batched against one
+//!   write per event, for two workloads: Zipf(1.1) over 10,000 targets, and
+//!   90% of them on one target;
 //! - e2e: an open-loop generator (fixed arrival rate, latency measured from
 //!   the scheduled send time, so coordinated omission is corrected) against
 //!   the real vote API with Kafka, Redis and the consumer in the loop.
@@ -116,15 +117,110 @@ async fn store_section(results: &mut Results) {
 
 // ---------------------------------------------------------------- consumer
 
-async fn consumer_section(results: &mut Results) {
-    use rdkafka::producer::{FutureProducer, FutureRecord};
+/// The consumer's workloads: which target each transition is for.
+#[derive(Debug, Clone, Copy)]
+enum Workload {
+    /// Zipf(1.1) over 10,000 targets: many lukewarm targets, each batch's
+    /// events spread over hundreds of them.
+    Zipf,
+    /// 90% on one target, the rest Zipf(1.1) over 10,000 (as the store
+    /// section's hot run): a viral video.
+    Hot,
+}
 
+impl Workload {
+    fn describe(self) -> &'static str {
+        match self {
+            Workload::Zipf => "Zipf(1.1) over 10,000 targets",
+            Workload::Hot => "90% on one target, the rest Zipf(1.1) over 10,000",
+        }
+    }
+
+    fn target(self, zipf: &mut Zipf) -> usize {
+        match self {
+            Workload::Zipf => zipf.sample(),
+            Workload::Hot if zipf.below(10) < 9 => 0,
+            Workload::Hot => zipf.sample(),
+        }
+    }
+}
+
+async fn consumer_section(results: &mut Results) {
+    for workload in [Workload::Zipf, Workload::Hot] {
+        consumer_workload(workload, results).await;
+    }
+}
+
+/// Publishes the workload's transitions once, then counts them batched and
+/// per event (each into a keyspace of its own, each its own group).
+async fn consumer_workload(workload: Workload, results: &mut Results) {
     let n_events = env_num("TALLY_BENCH_EVENTS", 200_000);
     let baseline_secs = env_num("TALLY_BENCH_BASELINE_SECS", 60);
-    let env = bench_env("load_consumer", 6).await;
-    let baseline_env = bench_env("load_consumer_base", 1).await;
+    let name = format!("load_consumer_{workload:?}").to_lowercase();
+    let env = bench_env(&name, 6).await;
+    let baseline_env = bench_env(&format!("{name}_base"), 1).await;
 
-    eprintln!("consumer: producing {n_events} Zipf(1.1) transitions over 10,000 targets");
+    eprintln!(
+        "consumer: producing {n_events} transitions, {}",
+        workload.describe()
+    );
+    produce_transitions(&env, workload, n_events).await;
+
+    for (mode, cassandra, limit) in [
+        (tally::consumer::WriteMode::Batched, &env.cassandra, None),
+        (
+            tally::consumer::WriteMode::PerEvent,
+            &baseline_env.cassandra,
+            Some(Duration::from_secs(baseline_secs)),
+        ),
+    ] {
+        eprintln!(
+            "consumer: counting in {mode:?} mode{}",
+            limit.map_or(String::new(), |l| format!(" for at most {}s", l.as_secs()))
+        );
+        let config = support::consumer_config(
+            format!("bench-{name}-{mode:?}-{}", std::process::id()),
+            mode,
+            tally::ops::Stores {
+                cassandra: cassandra.clone(),
+                ..env.stores()
+            },
+        );
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let progress = Arc::new(tally::consumer::Progress::default());
+        let started = Instant::now();
+        let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
+        while progress.processed.load(Ordering::Relaxed) < n_events
+            && limit.is_none_or(|l| started.elapsed() < l)
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let processed = progress.processed.load(Ordering::Relaxed);
+        let requests = progress.requests.load(Ordering::Relaxed);
+        let _ = stop.send(true);
+        let _ = task.await;
+        results.consumer.push(ConsumerRun {
+            workload: workload.describe().into(),
+            mode: format!("{mode:?}"),
+            events: processed,
+            seconds,
+            events_per_sec: processed as f64 / seconds,
+            requests_per_event: requests as f64 / processed.max(1) as f64,
+            fenced_writes: progress.writes.load(Ordering::Relaxed),
+        });
+    }
+    env.drop_all().await;
+    baseline_env.drop_all().await;
+}
+
+/// `n` transitions of the workload to `env`'s topic, keyed by target as the
+/// vote API keys them: users drawn uniformly from 50,000, each user's
+/// versions in order per target, every action a change.
+async fn produce_transitions(env: &support::BenchEnv, workload: Workload, n: u64) {
+    use futures::StreamExt;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
     let producer: FutureProducer = env
         .kafka
         .client()
@@ -134,8 +230,8 @@ async fn consumer_section(results: &mut Results) {
     let mut zipf = Zipf::new(10_000, 1.1, 42);
     let mut state: HashMap<(u32, usize), (i64, Reaction)> = HashMap::new();
     let mut pending = futures::stream::FuturesUnordered::new();
-    for _ in 0..n_events {
-        let target = zipf.sample();
+    for _ in 0..n {
+        let target = workload.target(&mut zipf);
         let user = zipf.below(50_000) as u32;
         let (version, from) = state
             .get(&(user, target))
@@ -166,65 +262,15 @@ async fn consumer_section(results: &mut Results) {
                 .map(|_| ())
                 .map_err(|(e, _)| e)
         });
-        if pending.len() >= 5000 {
-            use futures::StreamExt;
-            if let Some(r) = pending.next().await {
-                r.unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
-    }
-    {
-        use futures::StreamExt;
-        while let Some(r) = pending.next().await {
+        if pending.len() >= 5000
+            && let Some(r) = pending.next().await
+        {
             r.unwrap_or_else(|e| panic!("{e}"));
         }
     }
-
-    for (mode, cassandra, limit) in [
-        (tally::consumer::WriteMode::Batched, &env.cassandra, None),
-        (
-            tally::consumer::WriteMode::PerEvent,
-            &baseline_env.cassandra,
-            Some(Duration::from_secs(baseline_secs)),
-        ),
-    ] {
-        eprintln!(
-            "consumer: counting in {mode:?} mode{}",
-            limit.map_or(String::new(), |l| format!(" for at most {}s", l.as_secs()))
-        );
-        let config = support::consumer_config(
-            format!("bench-{mode:?}-{}", std::process::id()),
-            mode,
-            tally::ops::Stores {
-                cassandra: cassandra.clone(),
-                ..env.stores()
-            },
-        );
-        let (stop, rx) = tokio::sync::watch::channel(false);
-        let progress = Arc::new(tally::consumer::Progress::default());
-        let started = Instant::now();
-        let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
-        while progress.processed.load(Ordering::Relaxed) < n_events
-            && limit.is_none_or(|l| started.elapsed() < l)
-        {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let seconds = started.elapsed().as_secs_f64();
-        let processed = progress.processed.load(Ordering::Relaxed);
-        let requests = progress.requests.load(Ordering::Relaxed);
-        let _ = stop.send(true);
-        let _ = task.await;
-        results.consumer.push(ConsumerRun {
-            mode: format!("{mode:?}"),
-            events: processed,
-            seconds,
-            events_per_sec: processed as f64 / seconds,
-            requests_per_event: requests as f64 / processed.max(1) as f64,
-            fenced_writes: progress.writes.load(Ordering::Relaxed),
-        });
+    while let Some(r) = pending.next().await {
+        r.unwrap_or_else(|e| panic!("{e}"));
     }
-    env.drop_all().await;
-    baseline_env.drop_all().await;
 }
 
 // ---------------------------------------------------------------- e2e

@@ -10,6 +10,7 @@ pub use super::support::StoreRun;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ConsumerRun {
+    pub workload: String,
     pub mode: String,
     pub events: u64,
     pub seconds: f64,
@@ -78,12 +79,13 @@ pub fn report(r: &Results) {
     if !r.consumer.is_empty() {
         let _ = writeln!(
             md,
-            "| consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---:|---:|---:|---:|---:|"
+            "| workload | consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---|---:|---:|---:|---:|---:|"
         );
         for c in &r.consumer {
             let _ = writeln!(
                 md,
-                "| {} | {} | {:.1} | {:.0} | {:.3} | {} |",
+                "| {} | {} | {} | {:.1} | {:.0} | {:.3} | {} |",
+                c.workload,
                 c.mode,
                 c.events,
                 c.seconds,
@@ -92,14 +94,19 @@ pub fn report(r: &Results) {
                 c.fenced_writes
             );
         }
-        if let [batched, per_event] = &r.consumer[..] {
-            let _ = writeln!(
-                md,
-                "\nBatched vs per-event: {:.1}x the events/s, {:.1}x fewer requests per event\n",
-                batched.events_per_sec / per_event.events_per_sec,
-                per_event.requests_per_event / batched.requests_per_event
-            );
+        let _ = writeln!(md);
+        for pair in r.consumer.chunks(2) {
+            if let [batched, per_event] = pair {
+                let _ = writeln!(
+                    md,
+                    "{}: batched vs per-event, {:.1}x the events/s, {:.1}x fewer requests per event",
+                    batched.workload,
+                    batched.events_per_sec / per_event.events_per_sec,
+                    per_event.requests_per_event / batched.requests_per_event
+                );
+            }
         }
+        let _ = writeln!(md);
     }
     for (name, steps, target) in [
         ("writes (POST /v1/votes)", &r.e2e_writes, 100.0),

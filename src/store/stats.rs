@@ -237,25 +237,37 @@ impl Stats {
         Ok(self.heads(target).await?.totals())
     }
 
-    /// The head of every bucket of a target, read in parallel (never the
+    /// The head of every bucket of a target, in one request (never the
     /// voters: one static row per bucket).
     pub async fn heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
-        let buckets: Vec<i32> = self.layout.buckets().map(Bucket::column).collect();
+        let buckets: Vec<Bucket> = self.layout.buckets().collect();
+        let heads = self.heads_of(target, &buckets).await?;
+        Ok(Heads(heads.into_iter().map(|(_, head)| head).collect()))
+    }
+
+    /// The heads of some buckets of a target, in one request, in the order
+    /// given. A bucket nobody has written has no row: an empty head.
+    pub async fn heads_of(
+        &self,
+        target: &TargetId,
+        buckets: &[Bucket],
+    ) -> Result<Vec<(Bucket, Head)>, StoreError> {
+        let columns: Vec<i32> = buckets.iter().map(|b| b.column()).collect();
         // One row per bucket at most (PER PARTITION LIMIT 1).
         let rows: Vec<scylla::value::Row> =
-            super::bounded_rows(&self.session, &self.all_heads, (target.as_str(), &buckets))
+            super::bounded_rows(&self.session, &self.all_heads, (target.as_str(), &columns))
                 .await?;
-        // A bucket nobody has voted in has no row: an empty head.
-        let mut heads = vec![Head::default(); buckets.len()];
+        let mut heads: Vec<(Bucket, Head)> =
+            buckets.iter().map(|b| (*b, Head::default())).collect();
         for row in rows {
             let Some(Some(CqlValue::Int(bucket))) = row.columns.first() else {
                 continue;
             };
-            if let Some(slot) = usize::try_from(*bucket).ok().and_then(|b| heads.get_mut(b)) {
-                *slot = head_of(&row.columns[1..]);
+            if let Some(slot) = heads.iter_mut().find(|(b, _)| b.column() == *bucket) {
+                slot.1 = head_of(&row.columns[1..]);
             }
         }
-        Ok(Heads(heads))
+        Ok(heads)
     }
 
     /// One bucket's fence and totals.

@@ -532,6 +532,54 @@ async fn two_consumers_in_one_group_with_a_rebalance_mid_stream_leave_no_drift()
     Ok(())
 }
 
+/// A consumer that has not written a target's buckets yet (after a restart
+/// or a rebalance) learns all the buckets a batch touches in one read, then
+/// writes each unread, instead of reading each bucket's head and rows first.
+#[tokio::test]
+async fn a_consumer_new_to_a_target_learns_its_buckets_in_one_read_per_batch() -> TestResult {
+    use std::sync::atomic::Ordering::Relaxed;
+    let env = TestEnv::new().await;
+    let users: Vec<String> = (0..40).map(|i| format!("u{i}")).collect();
+    let first = env.start_consumer_trusting();
+    for u in &users {
+        env.publish_transition(u, "t0", "none", "like", 1).await;
+    }
+    processed_at_least(&first, 40).await;
+    first.stop().await;
+
+    // The same group again, so it starts after round 1, knowing nothing.
+    for u in &users {
+        env.publish_transition(u, "t0", "like", "dislike", 2).await;
+    }
+    let second = env.start_consumer_trusting();
+    processed_at_least(&second, 40).await;
+    let p = &second.progress;
+    let (requests, writes, batches) = (
+        p.requests.load(Relaxed),
+        p.writes.load(Relaxed),
+        p.batches.load(Relaxed),
+    );
+    let reads = requests - writes;
+    assert!(
+        writes >= 2,
+        "40 users fall in more than one bucket: {writes} writes"
+    );
+    assert!(
+        (1..=batches).contains(&reads),
+        "one read per batch at most, not two per bucket: {reads} reads for {writes} writes in {batches} batches"
+    );
+    let stats = env.stats().await;
+    assert_eq!((stats["t0"].likes(), stats["t0"].dislikes()), (0, 40));
+    assert!(
+        stats["t0"]
+            .users
+            .values()
+            .all(|(v, s)| *v == 2 && s == "dislike")
+    );
+    second.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn in_order_transitions_are_counted_without_reads_until_another_writer_moves_the_fence()
 -> TestResult {
