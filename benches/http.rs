@@ -485,14 +485,16 @@ async fn against(other: PathBuf) {
         other.display()
     );
     println!(
-        "| build | round | votes/s | vote p99 ms | CPU per vote | Cassandra CPU per vote | machine CPU per vote | pages/s | page p99 ms | CPU per page |"
+        "| build | round | votes/s | votes refused | vote p99 ms | CPU per vote | Cassandra CPU per vote | machine CPU per vote | pages/s | page p99 ms | CPU per page |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (b, round, v, p) in &runs {
         println!(
-            "| {} | {round} | {:.0} | {:.1} | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} | {:.1} | {:.0} µs |",
+            "| {} | {round} | {:.0} | {} of {} | {:.1} | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} | {:.1} | {:.0} µs |",
             builds[*b].0,
             v.goodput,
+            v.refused,
+            v.sent,
             v.ok_ms.p99,
             v.server_cpu_us,
             v.cassandra_cpu_us,

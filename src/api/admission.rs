@@ -11,9 +11,13 @@
 //! It starts at its ceiling, so it only ever matters under load.
 //!
 //! A request above the limit waits in a short queue (as many places as the
-//! limit) for at most `queue_wait`: a burst, or a closed loop of clients a
-//! little above the limit, is served rather than refused. A request that
-//! finds the queue full, or waits out its time, is refused with 503 and
+//! limit): a burst, or a closed loop of clients up to twice the limit, is
+//! served rather than refused. A queue as long as the limit frees in about
+//! one average request's time, so a request waits for the longer of
+//! `queue_wait` and two averages, but never more than four targets: a wait
+//! shorter than the queue's own turnover would refuse the clients of a
+//! closed loop only to have them send again at once. A request that finds
+//! the queue full, or waits out its time, is refused with 503 and
 //! Retry-After, before its token is verified or its body read. Waiting costs
 //! nothing but a timer; a refusal costs about what `/healthz` does.
 
@@ -28,7 +32,8 @@ pub struct AdmissionConfig {
     pub min: usize,
     /// Nor rises above this.
     pub max: usize,
-    /// The longest a request waits for a place before it is refused.
+    /// The shortest a request may wait for a place before it is refused
+    /// (see the module comment for when it waits longer).
     pub queue_wait: Duration,
 }
 
@@ -105,7 +110,7 @@ impl Admission {
         let permit = match queued {
             None => None,
             Some(_place) => {
-                let deadline = tokio::time::Instant::now() + self.config.queue_wait;
+                let deadline = tokio::time::Instant::now() + self.wait_bound();
                 loop {
                     let freed = self.freed.notified();
                     if let Some(permit) = self.try_admit() {
@@ -136,6 +141,14 @@ impl Admission {
             started: Instant::now(),
             busy,
         })
+    }
+
+    /// How long a request may wait in the queue now.
+    fn wait_bound(&self) -> Duration {
+        let turnover = Duration::from_secs_f64(self.lock().average * 2.0);
+        turnover
+            .min(self.config.target * 4)
+            .max(self.config.queue_wait)
     }
 
     /// The current limit.
@@ -242,6 +255,39 @@ mod tests {
             "one place freed, one waiter admitted; the other waited out its time"
         );
         assert_eq!(a.lock().waiting, 0);
+    }
+
+    /// A queued request may wait two average requests' time when that is
+    /// longer than `queue_wait`, but never more than four targets.
+    #[test]
+    fn a_queued_request_waits_for_the_queues_turnover_within_bounds() {
+        let a = admission(2, 2);
+        let wait = Duration::from_millis(50);
+        assert_eq!(a.wait_bound(), wait, "no answers yet: the configured wait");
+        a.lock().average = 0.010;
+        assert_eq!(a.wait_bound(), wait, "fast answers: the configured wait");
+        a.lock().average = 0.035;
+        assert_eq!(a.wait_bound(), Duration::from_millis(70), "two averages");
+        a.lock().average = 5.0;
+        assert_eq!(a.wait_bound(), Duration::from_millis(80), "four targets");
+    }
+
+    /// With requests taking longer than `queue_wait` on average, a waiter is
+    /// still admitted when a place frees after `queue_wait` has passed.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_outlasts_queue_wait_while_requests_take_longer() {
+        let a = admission(1, 1);
+        a.lock().average = 0.035;
+        let running = a.admit().await;
+        assert!(running.is_some());
+        let waiter = tokio::spawn(wait(a.clone()));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        drop(running);
+        let admitted = waiter.await.ok().flatten();
+        assert!(
+            admitted.is_some(),
+            "freed after 60 ms, within the 70 ms turnover though past the 50 ms wait"
+        );
     }
 
     async fn wait(a: Arc<Admission>) -> Option<Permit> {

@@ -128,8 +128,10 @@ pub struct ApiConfig {
     #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub admission_target: Duration,
 
-    /// How long a request above the limit may wait for a place before it is
-    /// refused (at most as many wait as the limit; the rest are refused at once).
+    /// The shortest a request above the limit may wait for a place before it
+    /// is refused: it waits up to two average requests' time when that is
+    /// longer, never more than four `--admission-target`s (at most as many
+    /// wait as the limit; the rest are refused at once).
     #[arg(long = "admission-queue-wait", env = "TALLY_ADMISSION_QUEUE_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub admission_queue_wait: Duration,
 
