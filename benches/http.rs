@@ -19,7 +19,9 @@
 //! production read limits; http-flood.json), TALLY_HTTP_AGAINST=<another
 //! tally binary> (only this: the closed loops of votes and of pages for this
 //! build and that one, three rounds in alternating order, each API started
-//! afresh: one change measured in one run; http-against.json). Results:
+//! afresh: one change measured in one run; http-against.json; with
+//! TALLY_HTTP_AGAINST_OVERLOAD=1 also open-loop votes at 3x and 10x the first
+//! closed loop's rate, the same rates for both). Results:
 //! stdout (Markdown), target/tally-bench/http.json, http-latency.svg,
 //! vote-profile.txt and summary-profile.txt.
 
@@ -444,6 +446,10 @@ async fn against(other: PathBuf) {
     let builds = [("this build", this), ("the other", other.clone())];
     let mut rng = Zipf::new(1, 1.0, 42);
     let mut runs: Vec<AbRun> = Vec::new();
+    let overload = std::env::var("TALLY_HTTP_AGAINST_OVERLOAD").is_ok_and(|v| v == "1");
+    // (build, round, times the capacity, step)
+    let mut overloads: Vec<(usize, u64, f64, Step)> = Vec::new();
+    let mut capacity: Option<f64> = None;
     for round in 0..rounds {
         for turn in 0..builds.len() {
             let b = (turn + round as usize) % builds.len();
@@ -466,6 +472,22 @@ async fn against(other: PathBuf) {
                 secs,
                 &dir,
             );
+            // Both builds are offered the same rates: the first closed loop's.
+            let capacity = *capacity.get_or_insert(votes.goodput.max(1.0));
+            for times in [3.0, 10.0].into_iter().filter(|_| overload) {
+                eprintln!(
+                    "http against: {}: votes open loop at {times}x {capacity:.0}/s",
+                    builds[b].0
+                );
+                let step = vegeta.attack(
+                    &api,
+                    &mut Targets::Votes(&tokens, &mut rng),
+                    Load::Open(capacity * times),
+                    secs,
+                    &dir,
+                );
+                overloads.push((b, round, times, step));
+            }
             api.stop();
             runs.push((b, round, votes, pages));
         }
@@ -504,6 +526,24 @@ async fn against(other: PathBuf) {
             p.server_cpu_us
         );
     }
+    if !overloads.is_empty() {
+        println!(
+            "\n| build | round | offered | votes/s | ok p99 ms | refused | refusal p99 ms | other errors |"
+        );
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for (b, round, times, s) in &overloads {
+            println!(
+                "| {} | {round} | {times}x, {:.0}/s | {:.0} | {:.1} | {} | {:.1} | {} |",
+                builds[*b].0,
+                s.offered.unwrap_or_default(),
+                s.goodput,
+                s.ok_ms.p99,
+                s.refused,
+                s.refused_ms.p99,
+                s.errors
+            );
+        }
+    }
     let ratio = |f: &dyn Fn(&AbRun) -> f64| median(0, f) / median(1, f).max(1e-9);
     println!(
         "\nMedians, this build over the other: votes/s {:.2}x, CPU per vote {:.2}x, Cassandra CPU per vote {:.2}x, machine CPU per vote {:.2}x, pages/s {:.2}x, CPU per page {:.2}x",
@@ -520,6 +560,9 @@ async fn against(other: PathBuf) {
         "date": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         "runs": runs.iter().map(|(b, round, v, p)| serde_json::json!({
             "build": builds[*b].0, "round": round, "votes": v, "pages": p,
+        })).collect::<Vec<_>>(),
+        "overload": overloads.iter().map(|(b, round, times, s)| serde_json::json!({
+            "build": builds[*b].0, "round": round, "times": times, "votes": s,
         })).collect::<Vec<_>>(),
     });
     write_json(&dir.join("http-against.json"), &json, "http against");

@@ -188,6 +188,10 @@ async fn consumer_workload(workload: Workload, results: &mut Results) {
         );
         let (stop, rx) = tokio::sync::watch::channel(false);
         let progress = Arc::new(tally::consumer::Progress::default());
+        let cpu_before = (
+            support::cassandra_cpu_micros(),
+            support::machine_cpu_micros(),
+        );
         let started = Instant::now();
         let task = tokio::spawn(tally::consumer::run(config, rx, progress.clone()));
         while progress.processed.load(Ordering::Relaxed) < n_events
@@ -198,6 +202,9 @@ async fn consumer_workload(workload: Workload, results: &mut Results) {
         let seconds = started.elapsed().as_secs_f64();
         let processed = progress.processed.load(Ordering::Relaxed);
         let requests = progress.requests.load(Ordering::Relaxed);
+        let per_event = |micros: u64| micros as f64 / processed.max(1) as f64;
+        let store_cpu_us = per_event(support::cassandra_cpu_micros().saturating_sub(cpu_before.0));
+        let machine_cpu_us = per_event(support::machine_cpu_micros().saturating_sub(cpu_before.1));
         let _ = stop.send(true);
         let _ = task.await;
         results.consumer.push(ConsumerRun {
@@ -208,6 +215,8 @@ async fn consumer_workload(workload: Workload, results: &mut Results) {
             events_per_sec: processed as f64 / seconds,
             requests_per_event: requests as f64 / processed.max(1) as f64,
             fenced_writes: progress.writes.load(Ordering::Relaxed),
+            store_cpu_us,
+            machine_cpu_us,
         });
     }
     env.drop_all().await;

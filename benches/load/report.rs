@@ -17,6 +17,11 @@ pub struct ConsumerRun {
     pub events_per_sec: f64,
     pub requests_per_event: f64,
     pub fenced_writes: u64,
+    /// Cassandra's CPU time per event, in microseconds.
+    pub store_cpu_us: f64,
+    /// The machine's busy CPU time per event, in microseconds (the
+    /// consumer runs inside the bench process).
+    pub machine_cpu_us: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -79,19 +84,21 @@ pub fn report(r: &Results) {
     if !r.consumer.is_empty() {
         let _ = writeln!(
             md,
-            "| workload | consumer | events | seconds | events/s | CQL requests/event | fenced writes |\n|---|---|---:|---:|---:|---:|---:|"
+            "| workload | consumer | events | seconds | events/s | CQL requests/event | fenced writes | Cassandra CPU per event | machine CPU per event |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
         );
         for c in &r.consumer {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {:.1} | {:.0} | {:.3} | {} |",
+                "| {} | {} | {} | {:.1} | {:.0} | {:.3} | {} | {:.0} µs | {:.0} µs |",
                 c.workload,
                 c.mode,
                 c.events,
                 c.seconds,
                 c.events_per_sec,
                 c.requests_per_event,
-                c.fenced_writes
+                c.fenced_writes,
+                c.store_cpu_us,
+                c.machine_cpu_us
             );
         }
         let _ = writeln!(md);

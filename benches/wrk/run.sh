@@ -40,3 +40,5 @@ printf '%s %s: %s req/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us
     "$(basename "$BIN")" "$KIND" "$(awk '/Requests\/sec/ {print $2}' "$STATE/wrk.out")" \
     "$(awk '$1 == "50%" {print $2}' "$STATE/wrk.out")" "$(awk '$1 == "99%" {print $2}' "$STATE/wrk.out")" \
     "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))" "$(( (c1 - c0) * 1000000 / ticks / requests ))"
+# What the API saw: its Paxos outcomes and its admission, to explain a figure.
+curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total)' || true

@@ -274,19 +274,31 @@ mod tests {
 
     /// With requests taking longer than `queue_wait` on average, a waiter is
     /// still admitted when a place frees after `queue_wait` has passed.
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_waiter_outlasts_queue_wait_while_requests_take_longer() {
-        let a = admission(1, 1);
-        a.lock().average = 0.035;
+        // Wide margins on both sides, so a slow machine cannot decide it:
+        // the waiter may wait 1 s, the configured wait is 50 ms, and the
+        // place frees after 300 ms.
+        let a = Admission::new(
+            "test",
+            AdmissionConfig {
+                target: Duration::from_millis(250),
+                min: 1,
+                max: 1,
+                queue_wait: Duration::from_millis(50),
+            },
+        );
+        a.lock().average = 0.5;
         let running = a.admit().await;
         assert!(running.is_some());
         let waiter = tokio::spawn(wait(a.clone()));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        // How long the running request holds its place.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         drop(running);
         let admitted = waiter.await.ok().flatten();
         assert!(
             admitted.is_some(),
-            "freed after 60 ms, within the 70 ms turnover though past the 50 ms wait"
+            "freed after 300 ms, within the 1 s turnover though past the 50 ms wait"
         );
     }
 
