@@ -163,6 +163,22 @@ fn tls_context(ca: &Path) -> anyhow::Result<openssl::ssl::SslContext> {
     Ok(builder.build())
 }
 
+/// Whether a failed `Store::open` found no node to talk to at all: every
+/// connection refused, timed out or broken, as while Cassandra restarts.
+fn unreachable(e: &anyhow::Error) -> bool {
+    use scylla::errors::{ConnectionError, ConnectionPoolError, MetadataError, NewSessionError};
+    matches!(
+        e.downcast_ref::<NewSessionError>(),
+        Some(NewSessionError::MetadataError(
+            MetadataError::ConnectionPoolError(ConnectionPoolError::Broken {
+                last_connection_error: ConnectionError::ConnectTimeout
+                    | ConnectionError::IoError(_)
+                    | ConnectionError::BrokenConnection(_),
+            })
+        ))
+    )
+}
+
 /// Opens a session (no keyspace selected). Statements that need other levels
 /// set them on the prepared statement itself.
 pub async fn connect(config: &CassandraConfig) -> anyhow::Result<Session> {
@@ -498,7 +514,39 @@ pub struct Store {
     ping: scylla::statement::prepared::PreparedStatement,
 }
 
+/// How long `tally vote` and `tally consumer` wait at startup for a
+/// Cassandra that does not answer at all: a process started while Cassandra
+/// restarts (by a supervisor during an outage, or a deploy beside a rolling
+/// restart) comes up once it is back, as it rides out Redis and Kafka, rather
+/// than exiting and leaving its work (the outbox relay, the partitions it
+/// would own) undone.
+pub const STARTUP_WAIT: Duration = Duration::from_secs(120);
+
 impl Store {
+    /// `open`, trying again every second for up to `wait` while no node
+    /// accepts a connection. Anything else (a keyspace `tally migrate` has not
+    /// made, a refused login, a datacenter the cluster lacks) is a setting to
+    /// fix and fails at once.
+    pub async fn open_waiting(
+        config: &CassandraConfig,
+        key_ttl: Duration,
+        wait: Duration,
+    ) -> anyhow::Result<Store> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match Store::open(config, key_ttl).await {
+                Err(e) if unreachable(&e) && std::time::Instant::now() < deadline => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "Cassandra does not answer yet; trying again"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                opened => return opened,
+            }
+        }
+    }
+
     /// Connects to the keyspace and prepares every statement once.
     /// `key_ttl` is how long idempotency keys are kept.
     pub async fn open(config: &CassandraConfig, key_ttl: Duration) -> anyhow::Result<Store> {

@@ -301,3 +301,62 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
     assert!(screen.contains("lag, partition 0"), "{screen}");
     Ok(())
 }
+
+/// Forwards connections to `port` on to `to`, from `after` on: until then
+/// nothing listens there, as while a Cassandra node restarts.
+fn listen_after(after: Duration, port: u16, to: String) {
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) else {
+            return;
+        };
+        for inbound in listener.incoming().flatten() {
+            let Ok(outbound) = std::net::TcpStream::connect(&to) else {
+                continue;
+            };
+            for (mut from, mut into) in [
+                (inbound.try_clone(), outbound.try_clone()),
+                (Ok(outbound), Ok(inbound)),
+            ]
+            .into_iter()
+            .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+            {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut into);
+                    let _ = into.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+}
+
+/// A `tally vote` started while Cassandra does not answer waits for it, as
+/// it rides out Redis and Kafka, and serves votes once it answers; it used to
+/// exit, and a process started during a Cassandra restart stayed down.
+#[tokio::test]
+async fn a_vote_process_started_before_cassandra_answers_waits_for_it_then_serves() -> TestResult {
+    use crate::support::free_port;
+    let env = TestEnv::new().await;
+    let port = free_port();
+    let node = env
+        .cassandra
+        .nodes
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "127.0.0.1:9042".into());
+    // How long Cassandra is away after the process starts.
+    listen_after(Duration::from_secs(3), port, node);
+    let (_vote, app) = env
+        .spawn_vote_process(|cmd| {
+            cmd.env("TALLY_CASSANDRA_NODES", format!("127.0.0.1:{port}"));
+        })
+        .await?;
+    let reply = app.vote("early", new_key(), "t_waited", "like").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    eventually("the vote to be served", Duration::from_secs(30), || async {
+        let summary = app.summary("reader", "t_waited").await.json();
+        (summary["items"]["t_waited"]["likes"].as_i64() == Some(1)).then_some(())
+    })
+    .await;
+    Ok(())
+}
