@@ -228,14 +228,8 @@ async fn consumer_workload(workload: Workload, results: &mut Results) {
 /// versions in order per target, every action a change.
 async fn produce_transitions(env: &support::BenchEnv, workload: Workload, n: u64) {
     use futures::StreamExt;
-    use rdkafka::producer::{FutureProducer, FutureRecord};
 
-    let producer: FutureProducer = env
-        .kafka
-        .client()
-        .set("linger.ms", "20")
-        .create()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let transitions = env.transitions();
     let mut zipf = Zipf::new(10_000, 1.1, 42);
     let mut state: HashMap<(u32, usize), (i64, Reaction)> = HashMap::new();
     let mut pending = futures::stream::FuturesUnordered::new();
@@ -253,33 +247,18 @@ async fn produce_transitions(env: &support::BenchEnv, workload: Workload, n: u64
             .nth(zipf.below(2) as usize)
             .unwrap_or(Reaction::Like);
         state.insert((user, target), (version + 1, to));
-        let payload = serde_json::json!({
-            "target_id": format!("t{target}"), "target_type": "video", "user_id": format!("u{user}"),
-            "from": from, "to": to, "version": version + 1, "occurred_at": "2026-11-29T00:00:00.000Z"
-        })
-        .to_string();
-        let key = format!("t{target}");
-        let producer = producer.clone();
-        let topic = env.kafka.topic.clone();
-        pending.push(async move {
-            producer
-                .send(
-                    FutureRecord::to(&topic).key(&key).payload(&payload),
-                    Duration::from_secs(30),
-                )
-                .await
-                .map(|_| ())
-                .map_err(|(e, _)| e)
-        });
-        if pending.len() >= 5000
-            && let Some(r) = pending.next().await
-        {
-            r.unwrap_or_else(|e| panic!("{e}"));
+        pending.push(transitions.send(
+            format!("t{target}"),
+            format!("u{user}"),
+            from.as_str(),
+            to.as_str(),
+            version + 1,
+        ));
+        if pending.len() >= 5000 {
+            pending.next().await;
         }
     }
-    while let Some(r) = pending.next().await {
-        r.unwrap_or_else(|e| panic!("{e}"));
-    }
+    while pending.next().await.is_some() {}
 }
 
 // ---------------------------------------------------------------- e2e

@@ -30,7 +30,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde::Serialize;
 use support::{BenchEnv, bench_env, env_num};
 
@@ -169,37 +168,11 @@ async fn seed(env: &BenchEnv, n: u64, one_target: bool) {
     }
     eprintln!("  rows written in {:.0} s", started.elapsed().as_secs_f64());
 
-    let producer: FutureProducer = env
-        .kafka
-        .client()
-        .set("linger.ms", "20")
-        .create()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let sends = (0..n).map(|i| {
-        let producer = producer.clone();
-        let topic = env.kafka.topic.clone();
-        let target = target_of(i);
-        async move {
-            let payload = serde_json::json!({
-                "target_id": target, "target_type": "video", "user_id": format!("u{i}"),
-                "from": "none", "to": state_of(i), "version": 1,
-                "occurred_at": "2026-11-30T00:00:00.000Z"
-            })
-            .to_string();
-            producer
-                .send(
-                    FutureRecord::to(&topic).key(&target).payload(&payload),
-                    Duration::from_secs(30),
-                )
-                .await
-                .map(|_| ())
-                .map_err(|(e, _)| e)
-        }
-    });
+    let transitions = env.transitions();
+    let sends =
+        (0..n).map(|i| transitions.send(target_of(i), format!("u{i}"), "none", state_of(i), 1));
     let mut sends = futures::stream::iter(sends).buffer_unordered(5000);
-    while let Some(r) = sends.next().await {
-        r.unwrap_or_else(|e| panic!("{e}"));
-    }
+    while sends.next().await.is_some() {}
 }
 
 /// Runs the real consumer until it has counted all `n` transitions.

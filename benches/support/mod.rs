@@ -129,6 +129,62 @@ impl BenchEnv {
     }
 }
 
+/// Synthetic transitions sent straight to a bench's topic, keyed by target
+/// as the relay keys them, for the benches that time the consumer alone.
+#[derive(Clone)]
+pub struct Transitions {
+    producer: rdkafka::producer::FutureProducer,
+    topic: String,
+}
+
+impl BenchEnv {
+    pub fn transitions(&self) -> Transitions {
+        Transitions {
+            producer: self
+                .kafka
+                .client()
+                .set("linger.ms", "20")
+                .create()
+                .unwrap_or_else(|e| panic!("{e}")),
+            topic: self.kafka.topic.clone(),
+        }
+    }
+}
+
+impl Transitions {
+    /// One user's move on one target from `from` to `to` at `version`,
+    /// resolved once Kafka has it; panics if Kafka refuses it, since a bench
+    /// that lost an event would time the wrong work.
+    pub fn send(
+        &self,
+        target: String,
+        user: String,
+        from: &'static str,
+        to: &'static str,
+        version: i64,
+    ) -> impl std::future::Future<Output = ()> + 'static {
+        let Transitions { producer, topic } = self.clone();
+        async move {
+            let payload = serde_json::json!({
+                "target_id": target, "target_type": "video", "user_id": user,
+                "from": from, "to": to, "version": version,
+                "occurred_at": "2026-11-30T00:00:00.000Z"
+            })
+            .to_string();
+            producer
+                .send(
+                    rdkafka::producer::FutureRecord::to(&topic)
+                        .key(&target)
+                        .payload(&payload),
+                    Duration::from_secs(30),
+                )
+                .await
+                .map(|_| ())
+                .unwrap_or_else(|(e, _)| panic!("{e}"));
+        }
+    }
+}
+
 /// The tests' one generator and Zipf, shared rather than copied.
 #[path = "../../tests/it/support/rng.rs"]
 pub mod rng;

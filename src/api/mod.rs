@@ -277,14 +277,8 @@ impl Application {
             .then(|| demo::Demo::new(&config.auth))
             .transpose()?;
 
-        let store = Arc::new(
-            Store::open_waiting(
-                &config.stores.cassandra,
-                config.idempotency_ttl,
-                crate::store::STARTUP_WAIT,
-            )
-            .await?,
-        );
+        let store =
+            Arc::new(Store::open_waiting(&config.stores.cassandra, config.idempotency_ttl).await?);
         let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
         // A wrong password or CA is a setting to fix, not an outage to ride out.
         cache.check_login().await?;

@@ -130,14 +130,8 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
     progress: Arc<Progress>,
 ) -> anyhow::Result<()> {
-    let store = Arc::new(
-        Store::open_waiting(
-            &config.stores.cassandra,
-            Duration::from_secs(1),
-            crate::store::STARTUP_WAIT,
-        )
-        .await?,
-    );
+    let store =
+        Arc::new(Store::open_waiting(&config.stores.cassandra, Duration::from_secs(1)).await?);
     let source = Source::join(&config.stores.kafka, &config.group)?;
     let dead_letters = DeadLetters::new(&config.stores.kafka)?;
     let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;

@@ -523,16 +523,15 @@ pub struct Store {
 pub const STARTUP_WAIT: Duration = Duration::from_secs(120);
 
 impl Store {
-    /// `open`, trying again every second for up to `wait` while no node
+    /// `open`, trying again every second for up to `STARTUP_WAIT` while no node
     /// accepts a connection. Anything else (a keyspace `tally migrate` has not
     /// made, a refused login, a datacenter the cluster lacks) is a setting to
     /// fix and fails at once.
     pub async fn open_waiting(
         config: &CassandraConfig,
         key_ttl: Duration,
-        wait: Duration,
     ) -> anyhow::Result<Store> {
-        let deadline = std::time::Instant::now() + wait;
+        let deadline = std::time::Instant::now() + STARTUP_WAIT;
         loop {
             match Store::open(config, key_ttl).await {
                 Err(e) if unreachable(&e) && std::time::Instant::now() < deadline => {
