@@ -30,15 +30,21 @@ cpu() { awk '{print $14 + $15}' "/proc/${1:-$PID}/stat"; }
 # Cassandra's CPU too: on one machine the store's cost per request is what
 # bounds the vote, more than tally's own.
 CASSANDRA=$(cat "$HERE/../../.stack/run/cassandra.pid" 2>/dev/null || echo $$)
-t0=$(cpu); c0=$(cpu "$CASSANDRA")
+# And Redis's: a page's lookups run there.
+REDIS=$(cat "$HERE/../../.stack/run/redis.pid" 2>/dev/null || echo $$)
+# And the machine's busy time (user, nice, system, irq, softirq), which on
+# shared cores is what bounds a rate.
+busy() { awk '$1 == "cpu" {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
+t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy)
 wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
-t1=$(cpu); c1=$(cpu "$CASSANDRA")
+t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy)
 requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
 refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
 ticks=$(getconf CLK_TCK)
-printf '%s %s: %s req/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us, cassandra %s us\n' \
+printf '%s %s: %s req/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us, cassandra %s us, redis %s us, machine %s us\n' \
     "$(basename "$BIN")" "$KIND" "$(awk '/Requests\/sec/ {print $2}' "$STATE/wrk.out")" \
     "$(awk '$1 == "50%" {print $2}' "$STATE/wrk.out")" "$(awk '$1 == "99%" {print $2}' "$STATE/wrk.out")" \
-    "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))" "$(( (c1 - c0) * 1000000 / ticks / requests ))"
+    "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))" "$(( (c1 - c0) * 1000000 / ticks / requests ))" \
+    "$(( (r1 - r0) * 1000000 / ticks / requests ))" "$(( (m1 - m0) * 1000000 / ticks / requests ))"
 # What the API saw: its Paxos outcomes and its admission, to explain a figure.
 curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total)' || true

@@ -109,6 +109,18 @@ pub fn group_lag(kafka: &super::KafkaConfig, group: &str) -> anyhow::Result<Vec<
         .client()
         .set("group.id", group)
         .set("enable.auto.commit", "false")
+        // It reads one message per lagging partition, for its timestamp.
+        // librdkafka's defaults would fetch and parse up to a megabyte of
+        // each, every INTERVAL, just when the consumer is behind and the
+        // API busiest: a tenth of `tally vote`'s instructions per vote
+        // (BENCHMARKS.md section 13). Kafka still answers a fetch with at
+        // least the first record batch, however small these are.
+        // (librdkafka wants message.max.bytes <= fetch.max.bytes; 1000 is
+        // its least, and this client sends nothing.)
+        .set("message.max.bytes", "1000")
+        .set("fetch.max.bytes", "1000")
+        .set("max.partition.fetch.bytes", "1000")
+        .set("queued.min.messages", "1")
         .create()
         .context("Failed to create the lag observer")?;
     let metadata = observer
