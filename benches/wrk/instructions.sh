@@ -18,30 +18,21 @@
 set -euo pipefail
 BIN=$1; KIND=$2; SECS=${3:-20}; CONNS=${4:-4}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-STATE=${TMPDIR:-/tmp}/tally-wrk; mkdir -p "$STATE"
-command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+. "$HERE/env.sh"
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
-export TALLY_KEYSPACE=wrkbench TALLY_TOPIC=wrkbench-tx TALLY_DEAD_LETTER_TOPIC=wrkbench-dlq TALLY_REDIS_PREFIX=wrkbench
-export TALLY_JWT_SECRET=wrk-bench-secret-of-32-bytes-or-more TALLY_JWT_ISSUER=tally-wrk TALLY_JWT_AUDIENCE=tally-wrk
-export RUST_LOG=warn TALLY_LOG_FORMAT=json WRK_TOKENS=$STATE/tokens.txt
-"$BIN" migrate >/dev/null
-[ -s "$WRK_TOKENS" ] || for i in $(seq 1 500); do "$BIN" token --sub "u$i" --ttl 24h; done >"$WRK_TOKENS"
 rm -f "$STATE"/callgrind.out.*
 # A consumer keeps the group's lag near zero, as in production: with the
 # group behind, `tally vote`'s lag observer reads a message of each lagging
 # partition every 5 s, and those reads would land in the loaded and idle
 # counts unevenly.
-TALLY_CONSUMER_LISTEN=127.0.0.1:19191 TALLY_CONSUMER_GROUP=wrkbench "$BIN" consumer 2>"$STATE/consumer.log" &
+TALLY_CONSUMER_LISTEN=127.0.0.1:19191 "$BIN" consumer 2>"$STATE/consumer.log" &
 CONSUMER=$!
 # valgrind counts each pass of a `rep movsb` or `rep stosb` as an
 # instruction, so glibc's large copies and fills (a task's future moved
 # into tokio, actix's header table cleared) would count a byte each where
 # the CPU moves 32 or more a cycle. Vector loops are counted as they run.
 export GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold=1000000000:glibc.cpu.x86_rep_stosb_threshold=1000000000
-TALLY_LISTEN=127.0.0.1:18080 TALLY_OPS_LISTEN=127.0.0.1:19090 \
-TALLY_USER_RATE=100000 TALLY_USER_BURST=100000 TALLY_USER_READ_RATE=100000 TALLY_USER_READ_BURST=100000 \
-TALLY_USER_NEW_TARGETS_RATE=100000 TALLY_USER_NEW_TARGETS_BURST=100000 TALLY_USER_DAILY_VOTES=1000000000 \
-TALLY_ADMISSION_TARGET=1h TALLY_CONSUMER_GROUP=wrkbench \
+TALLY_ADMISSION_TARGET=1h \
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$STATE/callgrind.out" \
     "$BIN" vote 2>"$STATE/callgrind-vote.log" &
 PID=$!

@@ -11,17 +11,8 @@
 set -euo pipefail
 BIN=$1; KIND=$2; SECS=${3:-10}; CONNS=${4:-32}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-STATE=${TMPDIR:-/tmp}/tally-wrk; mkdir -p "$STATE"
-command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
-export TALLY_KEYSPACE=wrkbench TALLY_TOPIC=wrkbench-tx TALLY_DEAD_LETTER_TOPIC=wrkbench-dlq TALLY_REDIS_PREFIX=wrkbench
-export TALLY_JWT_SECRET=wrk-bench-secret-of-32-bytes-or-more TALLY_JWT_ISSUER=tally-wrk TALLY_JWT_AUDIENCE=tally-wrk
-export RUST_LOG=warn TALLY_LOG_FORMAT=json WRK_TOKENS=$STATE/tokens.txt
-"$BIN" migrate >/dev/null
-[ -s "$WRK_TOKENS" ] || for i in $(seq 1 500); do "$BIN" token --sub "u$i" --ttl 24h; done >"$WRK_TOKENS"
-TALLY_LISTEN=127.0.0.1:18080 TALLY_OPS_LISTEN=127.0.0.1:19090 \
-TALLY_USER_RATE=100000 TALLY_USER_BURST=100000 TALLY_USER_READ_RATE=100000 TALLY_USER_READ_BURST=100000 \
-TALLY_USER_NEW_TARGETS_RATE=100000 TALLY_USER_NEW_TARGETS_BURST=100000 TALLY_USER_DAILY_VOTES=1000000000 \
-TALLY_CONSUMER_GROUP=wrkbench "$BIN" vote 2>"$STATE/vote.log" &
+. "$HERE/env.sh"
+"$BIN" vote 2>"$STATE/vote.log" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 150); do curl -sf http://127.0.0.1:19090/readyz >/dev/null && break; sleep 0.2; done

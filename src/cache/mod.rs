@@ -669,6 +669,11 @@ impl TtlPolicy {
     /// totals, while those are still behind. Runs for as long as the API.
     pub async fn follow_consumer_lag(self, cache: Cache, kafka: KafkaConfig, group: String) {
         let mut tick = tokio::time::interval(lag::INTERVAL);
+        // The first failure after a success is a WARN, the rest of the same
+        // outage debug: a setting librdkafka refuses would otherwise leave
+        // the TTL blind with nothing above debug, and an outage would warn
+        // every INTERVAL.
+        let mut warned = false;
         loop {
             tick.tick().await;
             let (k, g) = (kafka.clone(), group.clone());
@@ -683,11 +688,19 @@ impl TtlPolicy {
                     }
                     let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
                     cache.set_ttl(self.ttl_for_lag(worst));
+                    warned = false;
+                }
+                Ok(Err(e)) if !warned => {
+                    warned = true;
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "consumer lag unknown; keeping the cache TTL until it is known again"
+                    );
                 }
                 Ok(Err(e)) => {
                     tracing::debug!(
                         error = format!("{e:#}"),
-                        "consumer lag unknown; keeping the cache TTL"
+                        "consumer lag still unknown; keeping the cache TTL"
                     );
                 }
                 Err(e) => tracing::debug!(error = %e, "lag task failed"),
