@@ -112,8 +112,8 @@ pub fn group_lag(kafka: &super::KafkaConfig, group: &str) -> anyhow::Result<Vec<
         // It reads one message per lagging partition, for its timestamp.
         // librdkafka's defaults would fetch and parse up to a megabyte of
         // each, every INTERVAL, just when the consumer is behind and the
-        // API busiest: a tenth of `tally vote`'s instructions per vote
-        // (BENCHMARKS.md section 13). Kafka still answers a fetch with at
+        // API busiest: a fifth of `tally vote`'s instructions per vote
+        // then (BENCHMARKS.md section 13). Kafka still answers a fetch with at
         // least the first record batch, however small these are.
         // (librdkafka wants message.max.bytes <= fetch.max.bytes; 1000 is
         // its least, and this client sends nothing.)

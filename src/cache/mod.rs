@@ -421,7 +421,7 @@ impl Cache {
 
     fn key(&self, target: &TargetId) -> String {
         // `b` for a bucketed entry; entries of earlier layouts are never read
-        // and expire. Built by hand: `format!` was 4% of the instructions of
+        // and expire. Built by hand: `format!` was 5.6% of the instructions of
         // a page of 21 ids (callgrind, BENCHMARKS.md section 13).
         let mut key = String::with_capacity(self.prefix.len() + 3 + target.as_str().len());
         key.push_str(&self.prefix);
