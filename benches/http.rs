@@ -4,9 +4,13 @@
 //! binary), and vegeta drives the API, also in its own process: closed loop
 //! (a fixed number of requests in flight) for capacity, open loop (a fixed
 //! arrival rate, whatever the server does) for the latency curve and for
-//! overload. Beside every throughput: the server's own CPU per request, from
-//! /proc. In the same run, the ceilings: `/healthz`, a bare single-row LWT
-//! and the vote's store operation, with 64 in flight.
+//! overload. The closed loops of votes and pages run again from wrk, the
+//! lightest generator (C, one thread), and the votes' once more from this
+//! process (reqwest), the in-repo way: three generators whose own CPU on the
+//! shared cores differs several times over. Beside every throughput: the
+//! server's own CPU per request and the generator's, from /proc. In the same
+//! run, the ceilings: `/healthz`, a bare single-row LWT and the vote's store
+//! operation, with 64 in flight.
 //!
 //!   scripts/stack.sh up && cargo bench --bench http
 //!
@@ -37,7 +41,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use support::{
     Op, Percentiles, StoreOps, StoreRun, Zipf, bench_env, cassandra_cpu_micros, cpu_micros,
-    env_num, machine_cpu_micros, store_runs,
+    env_num, machine_cpu_micros, store_runs, waited_children_cpu_micros,
 };
 
 const SECRET: &str = "bench-secret-of-32-bytes-or-more-0123";
@@ -97,16 +101,21 @@ struct Step {
     /// The whole machine's busy CPU time per request sent, in microseconds:
     /// every server's, the generator's and the kernel's.
     machine_cpu_us: f64,
+    /// The load generator's own CPU time per request sent, in microseconds:
+    /// on shared cores, what it takes from the servers.
+    generator_cpu_us: f64,
 }
 
-/// CPU time of `tally vote` and of Cassandra at one moment, to subtract
-/// from a later one.
+/// CPU time of `tally vote`, of Cassandra, of the machine and of the
+/// generators at one moment, to subtract from a later one.
 #[derive(Clone, Copy)]
 struct CpuMark {
     pid: u32,
     tally: u64,
     cassandra: u64,
     machine: u64,
+    own: u64,
+    children: u64,
 }
 
 /// CPU time used since a mark, in microseconds.
@@ -115,6 +124,10 @@ struct CpuUsed {
     tally: u64,
     cassandra: u64,
     machine: u64,
+    /// This process's: the generator of the in-process loop.
+    own: u64,
+    /// The children this process waited for since: vegeta's and wrk's.
+    children: u64,
 }
 
 impl CpuMark {
@@ -124,6 +137,8 @@ impl CpuMark {
             tally: cpu_micros(pid),
             cassandra: cassandra_cpu_micros(),
             machine: machine_cpu_micros(),
+            own: cpu_micros(std::process::id()),
+            children: waited_children_cpu_micros(),
         }
     }
 
@@ -132,6 +147,8 @@ impl CpuMark {
             tally: cpu_micros(self.pid).saturating_sub(self.tally),
             cassandra: cassandra_cpu_micros().saturating_sub(self.cassandra),
             machine: machine_cpu_micros().saturating_sub(self.machine),
+            own: cpu_micros(std::process::id()).saturating_sub(self.own),
+            children: waited_children_cpu_micros().saturating_sub(self.children),
         }
     }
 }
@@ -147,9 +164,13 @@ struct Results {
     /// The same closed loop of votes from this process (reqwest), as the
     /// in-repo harness of `load` measures: set against vegeta's.
     votes_closed_in_process: Option<Step>,
+    /// The same closed loop of votes from wrk, the lightest generator.
+    votes_closed_wrk: Option<Step>,
     /// Seconds after the closed-loop votes until the consumer group's lag was 0.
     consumer_drain_secs: Option<f64>,
     pages_closed: Option<Step>,
+    /// The same closed loop of pages from wrk.
+    pages_closed_wrk: Option<Step>,
     votes_curve: Vec<Step>,
     pages_curve: Vec<Step>,
     /// Open loop at 1x, 3x, 10x the closed-loop vote capacity, adaptive admission.
@@ -236,6 +257,9 @@ async fn run() -> Results {
         eprintln!("http: votes, closed loop from this process (reqwest), 64 in flight, {secs}s");
         results.votes_closed_in_process = Some(in_process_votes(&api, &tokens, secs).await);
     }
+    let wrk = Wrk::install(pinned, &tokens, &dir);
+    eprintln!("http: votes, closed loop from wrk, 64 connections, {secs}s");
+    results.votes_closed_wrk = Some(wrk.closed(&api, Wrk::VOTES, &wrk.voters, 64, secs));
 
     eprintln!("http: summary pages, closed loop, 32 in flight, {secs}s");
     let pages = vegeta.attack(
@@ -270,6 +294,8 @@ async fn run() -> Results {
     }
     let page_capacity = pages.goodput.max(1.0);
     results.pages_closed = Some(pages);
+    eprintln!("http: summary pages, closed loop from wrk, 32 connections, {secs}s");
+    results.pages_closed_wrk = Some(wrk.closed(&api, Wrk::PAGES, &wrk.readers, 32, secs));
     if quick {
         api.stop();
         let _ = consumer.kill();
@@ -891,6 +917,7 @@ impl Vegeta {
             server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
             machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
+            generator_cpu_us: cpu.children as f64 / sent.max(1) as f64,
         }
     }
 }
@@ -944,6 +971,103 @@ fn write_targets(file: &Path, base: &str, targets: &mut Targets, count: u64) {
             .unwrap_or_else(|e| panic!("{e}"));
     }
     out.flush().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// wrk (Debian's): closed loop only, in C and on one thread, so on shared
+/// cores it takes the least from the servers of the three generators here.
+/// Its requests are built by the Lua scripts of benches/wrk, which
+/// `benches/wrk/run.sh` uses too.
+struct Wrk {
+    bin: PathBuf,
+    pinned: bool,
+    /// One token a line: every voter's, and the readers'.
+    voters: PathBuf,
+    readers: PathBuf,
+}
+
+impl Wrk {
+    const VOTES: &str = "votes.lua";
+    const PAGES: &str = "pages.lua";
+
+    fn install(pinned: bool, tokens: &[String], dir: &Path) -> Wrk {
+        let out = Command::new("scripts/bench-tools.sh")
+            .arg("wrk")
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("scripts/bench-tools.sh: {e}"));
+        assert!(out.status.success(), "scripts/bench-tools.sh wrk failed");
+        let (voters, readers) = (dir.join("wrk-voters.txt"), dir.join("wrk-readers.txt"));
+        for (file, tokens) in [(&voters, tokens), (&readers, &tokens[..READERS as usize])] {
+            std::fs::write(file, tokens.join("\n") + "\n").unwrap_or_else(|e| panic!("{e}"));
+        }
+        Wrk {
+            bin: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()),
+            pinned,
+            voters,
+            readers,
+        }
+    }
+
+    /// `connections` requests in flight for `secs`, from `script` with the
+    /// users of `tokens`; read back from the script's `done` line. Its
+    /// latencies are of every answer: wrk does not tell them apart by status.
+    fn closed(&self, api: &Api, script: &str, tokens: &Path, connections: u64, secs: u64) -> Step {
+        let mut cmd = if self.pinned {
+            let mut c = Command::new("taskset");
+            c.args(["-c", "1"]).arg(&self.bin);
+            c
+        } else {
+            Command::new(&self.bin)
+        };
+        cmd.args(["-t1", "--timeout", "10s"])
+            .arg(format!("-c{connections}"))
+            .arg(format!("-d{secs}s"))
+            .arg("-s")
+            .arg(Path::new("benches/wrk").join(script))
+            .arg(&api.base)
+            .env("WRK_TOKENS", tokens)
+            .stderr(Stdio::inherit());
+        let mark = CpuMark::now(api.pid());
+        let out = cmd.output().unwrap_or_else(|e| panic!("wrk: {e}"));
+        let cpu = mark.used();
+        assert!(out.status.success(), "wrk failed");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("tally-wrk "))
+            .unwrap_or_else(|| panic!("wrk printed no tally-wrk line:\n{stdout}"));
+        let field = |name: &str| -> f64 {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("wrk's line has no {name}: {line}"))
+        };
+        let (sent, refused, errors) = (field("requests"), field("non2xx"), field("socket_errors"));
+        let seconds = field("micros") / 1e6;
+        let ms = |name: &str| field(name) / 1000.0;
+        Step {
+            offered: None,
+            workers: Some(connections),
+            seconds,
+            sent: sent as u64,
+            goodput: (sent - refused) / seconds.max(1e-9),
+            ok_ms: Percentiles {
+                p50: ms("p50"),
+                p90: ms("p90"),
+                p95: ms("p95"),
+                p99: ms("p99"),
+                max: ms("max"),
+                count: sent as u64,
+            },
+            refused: refused as u64,
+            refused_ms: Percentiles::default(),
+            errors: errors as u64,
+            server_cpu_us: cpu.tally as f64 / sent.max(1.0),
+            cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1.0),
+            machine_cpu_us: cpu.machine as f64 / sent.max(1.0),
+            generator_cpu_us: cpu.children as f64 / sent.max(1.0),
+        }
+    }
 }
 
 fn profile_requested() -> bool {
@@ -1063,6 +1187,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         server_cpu_us: cpu.tally as f64 / sent.max(1) as f64,
         cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
         machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
+        generator_cpu_us: cpu.own as f64 / sent.max(1) as f64,
     }
 }
 
@@ -1107,31 +1232,40 @@ fn report(r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request | machine CPU per request |"
+        "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request | machine CPU per request | generator CPU per request |"
     );
-    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (name, step) in [
-        ("/healthz, 64 in flight", &r.healthz),
-        ("POST /v1/votes, 64 in flight", &r.votes_closed),
+        ("/healthz, 64 in flight (vegeta)", &r.healthz),
+        ("POST /v1/votes, 64 in flight (vegeta)", &r.votes_closed),
         (
             "POST /v1/votes, 64 in flight, from the bench process (reqwest)",
             &r.votes_closed_in_process,
         ),
         (
-            "GET /v1/votes/summary (21 ids), 32 in flight",
+            "POST /v1/votes, 64 connections (wrk; latency of every answer)",
+            &r.votes_closed_wrk,
+        ),
+        (
+            "GET /v1/votes/summary (21 ids), 32 in flight (vegeta)",
             &r.pages_closed,
+        ),
+        (
+            "GET /v1/votes/summary (21 ids), 32 connections (wrk)",
+            &r.pages_closed_wrk,
         ),
     ] {
         if let Some(s) = step {
             let _ = writeln!(
                 md,
-                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs | {:.0} µs | {:.0} µs |",
+                "| {name} | {:.0} | {:.2} | {:.2} | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} µs |",
                 s.goodput,
                 s.ok_ms.p50,
                 s.ok_ms.p99,
                 s.server_cpu_us,
                 s.cassandra_cpu_us,
-                s.machine_cpu_us
+                s.machine_cpu_us,
+                s.generator_cpu_us
             );
         }
     }
@@ -1152,6 +1286,7 @@ fn report(r: &Results) {
         "\nconsumer drained {:?} s after the closed-loop votes\n",
         r.consumer_drain_secs
     );
+    ratios(&mut md, r);
     for (name, steps) in [
         ("votes, open loop", &r.votes_curve),
         ("pages, open loop", &r.pages_curve),
@@ -1191,6 +1326,44 @@ fn report(r: &Results) {
     let _ = std::fs::write(dir.join("http.md"), &md);
     let _ = std::fs::write(dir.join("http-latency.svg"), svg(r));
     eprintln!("results in {}", dir.display());
+}
+
+/// The must-show ratios of the closed loops, each generator's in turn.
+fn ratios(md: &mut String, r: &Results) {
+    let lwt = support::rate_of(&r.store, Op::BareLwt);
+    let generators = [
+        ("vegeta", &r.votes_closed),
+        ("reqwest", &r.votes_closed_in_process),
+        ("wrk", &r.votes_closed_wrk),
+    ];
+    for (name, votes) in generators {
+        if let (Some(votes), Some(lwt)) = (votes, lwt) {
+            let _ = writeln!(
+                md,
+                "- vote API ({name}) against the bare LWT: {:.2}x",
+                votes.goodput / lwt.max(1e-9)
+            );
+        }
+    }
+    if let Some(in_repo) = &r.votes_closed_in_process {
+        for (name, votes) in [generators[0], generators[2]] {
+            if let Some(votes) = votes {
+                let _ = writeln!(
+                    md,
+                    "- in-repo (reqwest) against external ({name}), votes/s: {:.2}x",
+                    in_repo.goodput / votes.goodput.max(1e-9)
+                );
+            }
+        }
+    }
+    if let (Some(vegeta), Some(wrk)) = (&r.pages_closed, &r.pages_closed_wrk) {
+        let _ = writeln!(
+            md,
+            "- pages/s, wrk against vegeta: {:.2}x",
+            wrk.goodput / vegeta.goodput.max(1e-9)
+        );
+    }
+    md.push('\n');
 }
 
 /// p50 and p99 against the offered rate, votes and pages side by side.

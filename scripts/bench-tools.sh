@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Installs the HTTP load generator the benches drive the API with, and prints
-# its path: vegeta (github.com/tsenart/vegeta), an open-loop generator (a
-# fixed arrival rate, whatever the server does) that also runs closed loop
-# with a fixed number of workers. Built once with Go from the module proxy
-# into ~/.cache/tally-tools; Go itself comes from the machine (/usr/local/go)
-# or Debian's golang-go.
+# Installs an HTTP load generator the benches drive the API with, and prints
+# its path:
+# - vegeta (github.com/tsenart/vegeta), an open-loop generator (a fixed
+#   arrival rate, whatever the server does) that also runs closed loop with a
+#   fixed number of workers. Built once with Go from the module proxy into
+#   ~/.cache/tally-tools; Go itself comes from the machine (/usr/local/go) or
+#   Debian's golang-go.
+# - wrk, Debian's: closed loop only, in C, the lightest generator on shared
+#   cores.
 #
-#   scripts/bench-tools.sh vegeta   # prints the binary's path
+#   scripts/bench-tools.sh vegeta|wrk   # prints the binary's path
 set -euo pipefail
 VEGETA_VERSION=v12.13.0
 TOOLS=${TALLY_TOOLS:-$HOME/.cache/tally-tools}
@@ -31,8 +34,15 @@ case "${1:-}" in
         fi
         echo "$bin"
         ;;
+    wrk)
+        if ! command -v wrk >/dev/null; then
+            echo "[tools] installing wrk from Debian" >&2
+            apt-get update -qq >&2 && apt-get install -y -qq wrk >&2
+        fi
+        command -v wrk
+        ;;
     *)
-        echo "usage: scripts/bench-tools.sh vegeta" >&2
+        echo "usage: scripts/bench-tools.sh vegeta|wrk" >&2
         exit 2
         ;;
 esac

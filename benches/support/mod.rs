@@ -389,7 +389,7 @@ fn cas(written: tally::store::reactions::Written) -> tally::store::Cas {
 }
 
 /// Latency percentiles in milliseconds, from a histogram of microseconds.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Percentiles {
     pub p50: f64,
     pub p90: f64,
@@ -501,10 +501,6 @@ type Ran = (hdrhistogram::Histogram<u64>, f64, u64, u64);
 /// and the machine's CPU time in microseconds.
 type Measured = (hdrhistogram::Histogram<u64>, f64, u64, u64, (u64, u64));
 
-/// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
-/// `secs / rounds`, each round in an order rotated by one: whatever the
-/// stores do in the background (compaction of what earlier runs wrote, say)
-/// falls on every run alike rather than on the later ones.
 /// The rate of the uniform run of `op` among `runs`.
 pub fn rate_of(runs: &[StoreRun], op: Op) -> Option<f64> {
     let op = format!("{op:?}");
@@ -513,6 +509,10 @@ pub fn rate_of(runs: &[StoreRun], op: Op) -> Option<f64> {
         .map(|r| r.ops_per_sec)
 }
 
+/// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
+/// `secs / rounds`, each round in an order rotated by one: whatever the
+/// stores do in the background (compaction of what earlier runs wrote, say)
+/// falls on every run alike rather than on the later ones.
 pub async fn store_runs(
     ops: &StoreOps,
     runs: &[(&str, Op, bool)],
@@ -700,20 +700,32 @@ async fn store_run(
 
 /// `pid`'s CPU time so far (user + system), in microseconds; 0 if it is gone.
 pub fn cpu_micros(pid: u32) -> u64 {
+    proc_stat_micros(pid, &[11, 12])
+}
+
+/// The sum of some of `/proc/<pid>/stat`'s clock-tick fields, counted from
+/// the state (field 3) as 0: after the command name, which may hold spaces
+/// in its parentheses. utime and stime are 11 and 12, the waited-for
+/// children's 13 and 14.
+fn proc_stat_micros(pid: u32, fields: &[usize]) -> u64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0;
     };
-    // After the command name (which may hold spaces) in parentheses: state is
-    // field 3, utime 14 and stime 15.
     let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
         return 0;
     };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = [11, 12]
+    let all: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields
         .iter()
-        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
+        .filter_map(|&i| all.get(i).and_then(|f| f.parse::<u64>().ok()))
         .sum();
     ticks * 1_000_000 / clock_ticks()
+}
+
+/// CPU time of this process's children that it has waited for, so far, in
+/// microseconds: a load generator's own cost once its run is over.
+pub fn waited_children_cpu_micros() -> u64 {
+    proc_stat_micros(std::process::id(), &[13, 14])
 }
 
 fn clock_ticks() -> u64 {

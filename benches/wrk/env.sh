@@ -3,7 +3,7 @@
 # (wrkbench), on 127.0.0.1:18080 (operator endpoints :19090), per-user
 # limits out of the way (the load is 500 users), 500 tokens made once.
 STATE=${TMPDIR:-/tmp}/tally-wrk; mkdir -p "$STATE"
-command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
+"$HERE/../../scripts/bench-tools.sh" wrk >/dev/null
 export TALLY_KEYSPACE=wrkbench TALLY_TOPIC=wrkbench-tx TALLY_DEAD_LETTER_TOPIC=wrkbench-dlq TALLY_REDIS_PREFIX=wrkbench
 export TALLY_CONSUMER_GROUP=wrkbench TALLY_LISTEN=127.0.0.1:18080 TALLY_OPS_LISTEN=127.0.0.1:19090
 export TALLY_JWT_SECRET=wrk-bench-secret-of-32-bytes-or-more TALLY_JWT_ISSUER=tally-wrk TALLY_JWT_AUDIENCE=tally-wrk
