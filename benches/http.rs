@@ -1234,7 +1234,10 @@ fn report(r: &Results) {
         md,
         "| ceiling / closed loop | req/s | p50 ms | p99 ms | tally CPU per request | Cassandra CPU per request | machine CPU per request | generator CPU per request |"
     );
-    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        md,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for (name, step) in [
         ("/healthz, 64 in flight (vegeta)", &r.healthz),
         ("POST /v1/votes, 64 in flight (vegeta)", &r.votes_closed),
