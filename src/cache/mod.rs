@@ -134,16 +134,21 @@ pub enum CacheError {
     Redis(#[from] redis::RedisError),
     #[error("Redis did not answer within {0:?}")]
     Timeout(Duration),
-    #[error("a cache entry had {0} fields where {N_COUNTED} were expected")]
+    #[error("a cache entry had {0} totals where {N_COUNTED} were expected")]
     Shape(usize),
+    #[error("a cache entry's served totals are not numbers: {0:?}")]
+    Served(String),
 }
 
 // One entry per target, a hash:
 //   s:<b>        the `target_stats` seq bucket b's base was read or written at
 //   b:<b>:<name> bucket b's base: its durable totals as of s:<b>
 //   k            how many buckets have a base
-//   v:<name>     the served totals: the bases of all buckets plus every
-//                pending change; present only once every bucket has a base
+//   v            the served totals, "<n>|<n>" in `Totals` order: the bases
+//                of all buckets plus every pending change; present only once
+//                every bucket has a base. One field, so a page's read parses
+//                one value per target (redis-rs's reply parser was a fifth
+//                of a page's instructions with a field per total)
 //   p:<user>     a pending change, "version|to|from|ms": the vote path counted
 //                the user at `to` (their row at `version`) at `ms`, and the
 //                base counts them at `from`
@@ -157,12 +162,27 @@ pub enum CacheError {
 // wrong at most until the consumer catches up, however entries expire and
 // refill.
 
-/// Shared by the scripts: moves a served total for a state (none counts
-/// nowhere), records a bucket's base if it is newer, and recomputes the
-/// served totals from the bases and the pending changes.
+/// Shared by the scripts: reads and writes the served totals, moves one of
+/// them for a state (none counts nowhere), records a bucket's base if it is
+/// newer, and recomputes the served totals from the bases and the pending
+/// changes.
 const LIB: &str = r"
-local function move(key, state, d)
-  if state ~= 'none' then redis.call('HINCRBY', key, 'v:' .. state, d) end
+local function served(key, names)
+  local out, i = {}, 0
+  local v = redis.call('HGET', key, 'v')
+  if v then
+    for x in string.gmatch(v, '[^|]+') do i = i + 1; out[i] = tonumber(x) end
+  end
+  for j = i + 1, #names do out[j] = 0 end
+  return out
+end
+local function serve(key, totals)
+  redis.call('HSET', key, 'v', table.concat(totals, '|'))
+end
+local function move(totals, names, state, d)
+  for i, name in ipairs(names) do
+    if name == state then totals[i] = totals[i] + d end
+  end
 end
 local function parse(p)
   local v, to, from, ms = string.match(p, '^(%d+)|([^|]*)|([^|]*)|(%d+)$')
@@ -171,13 +191,6 @@ end
 local function now_ms()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
-end
-local function served(key, names)
-  local out = {}
-  for i, name in ipairs(names) do
-    out[i] = tonumber(redis.call('HGET', key, 'v:' .. name) or '0')
-  end
-  return out
 end
 local function complete(key, nb)
   return tonumber(redis.call('HGET', key, 'k') or '0') >= nb
@@ -223,7 +236,9 @@ local function recompute(key, names, nb, stale)
       if ms == nil or ms < stale then redis.call('HDEL', key, f) end
     end
   end
-  for _, name in ipairs(names) do redis.call('HSET', key, 'v:' .. name, v[name]) end
+  local totals = {}
+  for i, name in ipairs(names) do totals[i] = v[name] end
+  serve(key, totals)
 end
 ";
 
@@ -255,18 +270,20 @@ if counted and tonumber(string.match(counted, '^(%d+)|')) >= version then
 end
 local field = 'p:' .. user
 local cur = redis.call('HGET', KEYS[1], field)
+local totals = served(KEYS[1], names)
 if cur then
   local cv, cto, cfrom = parse(cur)
-  if cv >= version then return served(KEYS[1], names) end
-  move(KEYS[1], cto, -1)
-  move(KEYS[1], to, 1)
+  if cv >= version then return totals end
+  move(totals, names, cto, -1)
+  move(totals, names, to, 1)
   redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. cfrom .. '|' .. now)
 else
-  move(KEYS[1], from, -1)
-  move(KEYS[1], to, 1)
+  move(totals, names, from, -1)
+  move(totals, names, to, 1)
   redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. from .. '|' .. now)
 end
-return served(KEYS[1], names)
+serve(KEYS[1], totals)
+return totals
 ";
 
 /// A read's miss: records every bucket's durable head (a newer seq wins)
@@ -335,9 +352,21 @@ fn names() -> Vec<&'static str> {
     Reaction::COUNTED.iter().map(|r| r.as_str()).collect()
 }
 
-/// The served fields, in `Totals` order.
-fn served_fields() -> Vec<String> {
-    names().into_iter().map(|n| format!("v:{n}")).collect()
+/// Totals from an entry's `v` field, "<n>|<n>" in `Totals` order.
+fn served_totals(v: &str) -> Result<Totals, CacheError> {
+    let mut values = [0; N_COUNTED];
+    let mut n = 0;
+    for part in v.split('|') {
+        let value = part.parse().map_err(|_| CacheError::Served(v.to_owned()))?;
+        if let Some(slot) = values.get_mut(n) {
+            *slot = value;
+        }
+        n += 1;
+    }
+    if n != N_COUNTED {
+        return Err(CacheError::Shape(n));
+    }
+    Ok(Totals::from_values(values.map(|x: i64| x.max(0))))
 }
 
 /// Totals from served values in field order; a count below zero (a change
@@ -420,12 +449,13 @@ impl Cache {
     }
 
     fn key(&self, target: &TargetId) -> String {
-        // `b` for a bucketed entry; entries of earlier layouts are never read
+        // `c` for a bucketed entry with its served totals in one field;
+        // entries of earlier layouts (`b`, a field per total) are never read
         // and expire. Built by hand: `format!` was 5.6% of the instructions of
         // a page of 21 ids (callgrind, BENCHMARKS.md section 13).
         let mut key = String::with_capacity(self.prefix.len() + 3 + target.as_str().len());
         key.push_str(&self.prefix);
-        key.push_str(":b:");
+        key.push_str(":c:");
         key.push_str(target.as_str());
         key
     }
@@ -456,18 +486,14 @@ impl Cache {
     /// Served totals for many targets in one round trip; `None` is a miss.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
         let mut pipe = redis::pipe();
-        let fields = served_fields();
         for t in targets {
-            pipe.cmd("HMGET").arg(self.key(t)).arg(&fields);
+            pipe.cmd("HGET").arg(self.key(t)).arg("v");
         }
-        let rows: Vec<Vec<Option<i64>>> = self
+        let rows: Vec<Option<String>> = self
             .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
             .await?;
-        rows.into_iter()
-            .map(|row| match row.into_iter().collect::<Option<Vec<i64>>>() {
-                Some(values) => totals_of(values).map(Some),
-                None => Ok(None),
-            })
+        rows.iter()
+            .map(|v| v.as_deref().map(served_totals).transpose())
             .collect()
     }
 
@@ -712,6 +738,15 @@ impl TtlPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn served_totals_are_read_in_order_and_never_below_zero() {
+        let totals = served_totals("3|-1").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(totals.values(), [3, 0]);
+        for bad in ["3", "3|1|2", "3|x", "", "3||1"] {
+            assert!(served_totals(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
 
     #[test]
     fn the_ttl_follows_lag_within_bounds() {
