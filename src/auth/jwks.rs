@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -27,6 +28,9 @@ pub struct Jwks {
     source: Source,
     algorithm: JwtAlgorithm,
     keys: RwLock<HashMap<String, DecodingKey>>,
+    /// How many times the keys were replaced: a token verified with keys of
+    /// an earlier read is verified again (the key may be gone).
+    generation: AtomicU64,
     /// Woken by a token with an unknown key id.
     unknown: Notify,
 }
@@ -59,6 +63,7 @@ impl Jwks {
             source,
             algorithm,
             keys: RwLock::default(),
+            generation: AtomicU64::new(0),
             unknown: Notify::new(),
         };
         let keys = jwks.read().await?;
@@ -112,7 +117,13 @@ impl Jwks {
             ids.sort();
             tracing::debug!(kids = ?ids, "JWKS keys");
             *current = keys;
+            self.generation.fetch_add(1, Ordering::Release);
         }
+    }
+
+    /// Which read of the set the keys are from (see `generation`).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     async fn read(&self) -> anyhow::Result<HashMap<String, DecodingKey>> {

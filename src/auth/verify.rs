@@ -3,7 +3,9 @@
 use anyhow::Context;
 use jsonwebtoken::{DecodingKey, Validation};
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::jwks::Jwks;
 use super::{AuthConfig, AuthError, Caller, Claims, JwtAlgorithm};
@@ -13,6 +15,7 @@ use crate::domain::UserId;
 pub struct Verifier {
     keys: Keys,
     validation: Validation,
+    verified: Verified,
 }
 
 enum Keys {
@@ -98,7 +101,11 @@ impl Verifier {
             None => validation.validate_aud = false,
         }
         validation.set_required_spec_claims(&required);
-        Ok(Verifier { keys, validation })
+        Ok(Verifier {
+            keys,
+            validation,
+            verified: Verified::default(),
+        })
     }
 
     /// Checks an `Authorization` header value.
@@ -114,6 +121,23 @@ impl Verifier {
     }
 
     pub fn verify(&self, token: &str) -> Result<Caller, AuthError> {
+        // Read before the check: keys replaced during it make the entry stale.
+        let keys = match &self.keys {
+            Keys::One(_) => 0,
+            Keys::Set(jwks) => jwks.generation(),
+        };
+        let now = (jsonwebtoken::get_current_timestamp(), Instant::now());
+        if let Some(caller) = self.verified.get(token, keys, now) {
+            return Ok(caller);
+        }
+        let (caller, exp) = self.verify_fully(token)?;
+        self.verified.put(token, &caller, exp, keys, now);
+        Ok(caller)
+    }
+
+    /// The signature, the claims and the caller they name; and the token's
+    /// `exp`.
+    fn verify_fully(&self, token: &str) -> Result<(Caller, u64), AuthError> {
         let from_set;
         let key = match &self.keys {
             Keys::One(key) => key,
@@ -133,10 +157,66 @@ impl Verifier {
             .map_err(|e| AuthError::Invalid(e.to_string()))?;
         let user =
             UserId::parse(&data.claims.sub).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
-        Ok(Caller {
+        let caller = Caller {
             user,
             admin: data.claims.roles.iter().any(|r| r == "admin"),
-        })
+        };
+        Ok((caller, data.claims.exp))
+    }
+}
+
+/// Tokens verified lately, by their exact text. A client sends one token
+/// on every request until it renews it, and checking it was 7% of a page's
+/// instructions (BENCHMARKS.md section 13). An entry answers only before its
+/// token's `exp` (after it, the full check applies its leeway), for at most
+/// `REMEMBER`, and with a JWKS only while the keys are those it was checked
+/// with. A refusal is never remembered: it is checked in full every time.
+#[derive(Default)]
+struct Verified {
+    entries: Mutex<HashMap<Box<str>, Remembered>>,
+}
+
+struct Remembered {
+    caller: Caller,
+    exp: u64,
+    at: Instant,
+    keys: u64,
+}
+
+/// How long a verified token is taken on trust.
+const REMEMBER: Duration = Duration::from_secs(30);
+
+/// At most this many tokens are remembered (a few MB); when full, all are
+/// forgotten at once.
+const MAX_REMEMBERED: usize = 16_384;
+
+impl Verified {
+    /// The caller `token` names, if it was verified with keys `keys` less
+    /// than `REMEMBER` before `now` (Unix seconds, and the same moment as an
+    /// `Instant`) and has not expired by then.
+    fn get(&self, token: &str, keys: u64, (unix, at): (u64, Instant)) -> Option<Caller> {
+        let entries = self.entries.lock().ok()?;
+        let e = entries.get(token)?;
+        (e.keys == keys && unix < e.exp && at.saturating_duration_since(e.at) < REMEMBER)
+            .then(|| e.caller.clone())
+    }
+
+    fn put(&self, token: &str, caller: &Caller, exp: u64, keys: u64, (_, at): (u64, Instant)) {
+        let Ok(mut entries) = self.entries.lock() else {
+            return;
+        };
+        if entries.len() >= MAX_REMEMBERED {
+            entries.clear();
+        }
+        entries.insert(
+            token.into(),
+            Remembered {
+                caller: caller.clone(),
+                exp,
+                at,
+                keys,
+            },
+        );
     }
 }
 
@@ -169,6 +249,81 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(caller.user.as_str(), "alice");
         assert!(!caller.admin);
+    }
+
+    #[test]
+    fn a_remembered_token_answers_only_itself_before_its_exp_for_a_while_with_its_keys() {
+        let verified = Verified::default();
+        let alice = Caller {
+            user: UserId::parse("alice").unwrap_or_else(|e| panic!("{e}")),
+            admin: false,
+        };
+        let t0 = Instant::now();
+        verified.put("token", &alice, 1_000, 7, (900, t0));
+        let get = |token: &str, keys, unix, at| {
+            verified
+                .get(token, keys, (unix, at))
+                .map(|c| c.user.as_str().to_owned())
+        };
+        let just_before = t0 + REMEMBER - Duration::from_millis(1);
+        assert_eq!(get("token", 7, 999, just_before).as_deref(), Some("alice"));
+        assert_eq!(get("another token", 7, 900, t0), None);
+        assert_eq!(get("token", 8, 900, t0), None, "the keys were read again");
+        assert_eq!(get("token", 7, 1_000, t0), None, "expired");
+        assert_eq!(
+            get("token", 7, 900, t0 + REMEMBER),
+            None,
+            "remembered too long"
+        );
+    }
+
+    #[test]
+    fn remembered_tokens_are_bounded() {
+        let verified = Verified::default();
+        let bob = Caller {
+            user: UserId::parse("bob").unwrap_or_else(|e| panic!("{e}")),
+            admin: true,
+        };
+        let now = (0, Instant::now());
+        for i in 0..=MAX_REMEMBERED {
+            verified.put(&format!("t{i}"), &bob, 10, 0, now);
+        }
+        let len = verified
+            .entries
+            .lock()
+            .map(|e| e.len())
+            .unwrap_or(usize::MAX);
+        assert!(len <= MAX_REMEMBERED, "{len} remembered");
+        let last = verified.get(&format!("t{MAX_REMEMBERED}"), 0, now);
+        assert!(last.is_some_and(|c| c.admin));
+    }
+
+    #[test]
+    fn a_token_is_verified_again_to_the_same_caller_and_a_refusal_stays_a_refusal() {
+        let v = verifier();
+        let token = |sub| {
+            mint(
+                &AuthConfig::hs256(SECRET),
+                sub,
+                Duration::from_secs(60),
+                vec![],
+            )
+            .unwrap_or_else(|e| panic!("{e:#}"))
+        };
+        let (alice, bob) = (token("alice"), token("bob"));
+        for _ in 0..2 {
+            let users =
+                [&alice, &bob].map(|t| v.verify(t).map(|c| c.user.as_str().to_owned()).ok());
+            assert_eq!(users, [Some("alice".to_owned()), Some("bob".to_owned())]);
+        }
+        // One character of the signature changed.
+        let mut forged = alice.clone().into_bytes();
+        let i = forged.len() - 5;
+        forged[i] = if forged[i] == b'A' { b'B' } else { b'A' };
+        let forged = String::from_utf8(forged).unwrap_or_else(|e| panic!("{e}"));
+        for _ in 0..2 {
+            assert!(matches!(v.verify(&forged), Err(AuthError::Invalid(_))));
+        }
     }
 
     #[test]
