@@ -485,9 +485,14 @@ impl Cache {
 
     /// Served totals for many targets in one round trip; `None` is a miss.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Option<Totals>>, CacheError> {
-        let mut pipe = redis::pipe();
+        // Sized up front: growing each command's buffers as its arguments
+        // came was a twentieth of a page's instructions.
+        let mut pipe = redis::Pipeline::with_capacity(targets.len());
         for t in targets {
-            pipe.cmd("HGET").arg(self.key(t)).arg("v");
+            let key = self.key(t);
+            let mut hget = redis::Cmd::with_capacity(3, "HGETv".len() + key.len());
+            hget.arg("HGET").arg(key).arg("v");
+            pipe.add_command(hget);
         }
         let rows: Vec<Option<String>> = self
             .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })

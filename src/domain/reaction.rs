@@ -224,12 +224,21 @@ impl fmt::Display for Totals {
     }
 }
 
-impl Serialize for Totals {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = s.serialize_map(Some(N_COUNTED))?;
+impl Totals {
+    /// The totals as entries of a map being written: an object that holds
+    /// them beside fields of its own (a summary's item) writes them so.
+    pub fn serialize_entries<M: SerializeMap>(&self, map: &mut M) -> Result<(), M::Error> {
         for (name, n) in Reaction::total_names().zip(self.0) {
             map.serialize_entry(name, &n)?;
         }
+        Ok(())
+    }
+}
+
+impl Serialize for Totals {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(N_COUNTED))?;
+        self.serialize_entries(&mut map)?;
         map.end()
     }
 }
