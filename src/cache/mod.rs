@@ -2,12 +2,13 @@
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use deadpool_redis::{Pool, Runtime};
+use redis::aio::MultiplexedConnection;
 use redis::{IntoConnectionInfo, Script};
 
 use crate::bus::{KafkaConfig, lag};
@@ -138,6 +139,24 @@ pub enum CacheError {
     Shape(usize),
     #[error("a cache entry's served totals are not numbers: {0:?}")]
     Served(String),
+}
+
+impl CacheError {
+    /// Whether the connection it came on may be broken or stuck, and is
+    /// better not used again.
+    fn spoils_connection(&self) -> bool {
+        match self {
+            CacheError::Pool(_) | CacheError::Timeout(_) => true,
+            CacheError::Redis(e) => {
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.is_unrecoverable_error()
+            }
+            CacheError::Shape(_) | CacheError::Served(_) => false,
+        }
+    }
 }
 
 // One entry per target, a hash:
@@ -407,6 +426,9 @@ pub struct Written<'a> {
 #[derive(Clone)]
 pub struct Cache {
     pool: Pool,
+    /// The connection every operation shares (see `conn`); `None` until
+    /// the first one, and again after one failed on it.
+    held: Arc<Mutex<Option<deadpool_redis::Connection>>>,
     prefix: Arc<str>,
     apply: Arc<Script>,
     fill: Arc<Script>,
@@ -428,6 +450,7 @@ impl Cache {
         let script = |body: &str| Arc::new(Script::new(&format!("{LIB}\n{body}")));
         Ok(Cache {
             pool: pool(config)?,
+            held: Arc::default(),
             prefix: config.prefix.as_str().into(),
             apply: script(APPLY),
             fill: script(FILL),
@@ -444,6 +467,7 @@ impl Cache {
     pub fn with_own_pool(&self, config: &RedisConfig) -> anyhow::Result<Cache> {
         Ok(Cache {
             pool: pool(config)?,
+            held: Arc::default(),
             ..self.clone()
         })
     }
@@ -468,19 +492,48 @@ impl Cache {
         self.ttl_secs.store(ttl.as_secs().max(1), Ordering::Relaxed);
     }
 
-    async fn conn(&self) -> Result<deadpool_redis::Connection, CacheError> {
-        Ok(self.pool.get().await?)
+    /// A connection for one operation. deadpool-redis checks every
+    /// connection it hands out with a round trip (UNWATCH and PING), which
+    /// doubled the round trips of a page's read; a multiplexed connection
+    /// carries any number of operations at once, so one is taken from the
+    /// pool and shared until an operation on it fails (`within`).
+    async fn conn(&self) -> Result<MultiplexedConnection, CacheError> {
+        if let Some(shared) = self.shared() {
+            return Ok(shared);
+        }
+        let fresh = self.pool.get().await?;
+        let conn = (*fresh).clone();
+        if let Ok(mut held) = self.held.lock() {
+            // Another operation may have got one first: this one then goes
+            // back to the pool when dropped.
+            held.get_or_insert(fresh);
+        }
+        Ok(conn)
+    }
+
+    fn shared(&self) -> Option<MultiplexedConnection> {
+        let held = self.held.lock().ok()?;
+        held.as_ref().map(|c| (**c).clone())
     }
 
     /// Bounds one operation, waiting for a connection included: a Redis that
     /// accepts connections but never answers must not hold a vote or a read.
+    /// A failure that may have left the shared connection broken or stuck
+    /// lets it go (out of the pool too); the next operation takes another.
     async fn within<T>(
         &self,
         op: impl Future<Output = Result<T, CacheError>>,
     ) -> Result<T, CacheError> {
-        tokio::time::timeout(self.timeout, op)
+        let result = tokio::time::timeout(self.timeout, op)
             .await
-            .map_err(|_| CacheError::Timeout(self.timeout))?
+            .unwrap_or(Err(CacheError::Timeout(self.timeout)));
+        if let Err(e) = &result {
+            if e.spoils_connection() {
+                let spoiled = self.held.lock().ok().and_then(|mut h| h.take());
+                drop(spoiled.map(deadpool_redis::Connection::take));
+            }
+        }
+        result
     }
 
     /// Served totals for many targets in one round trip; `None` is a miss.
@@ -743,6 +796,25 @@ impl TtlPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_failures_that_may_break_the_connection_let_it_go() {
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        for spoils in [
+            CacheError::Timeout(Duration::from_millis(500)),
+            CacheError::Redis(redis::RedisError::from(reset)),
+        ] {
+            assert!(spoils.spoils_connection(), "{spoils}");
+        }
+        let refused = redis::RedisError::from((redis::ErrorKind::ResponseError, "ERR script"));
+        for keeps in [
+            CacheError::Redis(refused),
+            CacheError::Shape(3),
+            CacheError::Served("x|y".into()),
+        ] {
+            assert!(!keeps.spoils_connection(), "{keeps}");
+        }
+    }
 
     #[test]
     fn served_totals_are_read_in_order_and_never_below_zero() {
