@@ -785,24 +785,14 @@ struct Vegeta {
 
 impl Vegeta {
     fn install(pinned: bool) -> Vegeta {
-        let out = Command::new("scripts/bench-tools.sh")
-            .arg("vegeta")
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("scripts/bench-tools.sh: {e}"));
-        assert!(out.status.success(), "scripts/bench-tools.sh vegeta failed");
-        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        Vegeta { bin, pinned }
+        Vegeta {
+            bin: bench_tool("vegeta"),
+            pinned,
+        }
     }
 
     fn command(&self) -> Command {
-        if self.pinned {
-            let mut c = Command::new("taskset");
-            c.args(["-c", "1"]).arg(&self.bin);
-            c
-        } else {
-            Command::new(&self.bin)
-        }
+        generator(&self.bin, self.pinned)
     }
 
     /// Runs one step and reads vegeta's results back.
@@ -922,6 +912,28 @@ impl Vegeta {
     }
 }
 
+/// The path of a load generator, installed by `scripts/bench-tools.sh`.
+fn bench_tool(name: &str) -> PathBuf {
+    let out = Command::new("scripts/bench-tools.sh")
+        .arg(name)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("scripts/bench-tools.sh: {e}"));
+    assert!(out.status.success(), "scripts/bench-tools.sh {name} failed");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// A generator's command, on CPU 1 only when `pinned` (TALLY_HTTP_PIN=1).
+fn generator(bin: &Path, pinned: bool) -> Command {
+    if pinned {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "1"]).arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    }
+}
+
 /// Writes `count` of vegeta's JSON targets, one a line.
 fn write_targets(file: &Path, base: &str, targets: &mut Targets, count: u64) {
     let mut out = BufWriter::new(std::fs::File::create(file).unwrap_or_else(|e| panic!("{e}")));
@@ -990,18 +1002,12 @@ impl Wrk {
     const PAGES: &str = "pages.lua";
 
     fn install(pinned: bool, tokens: &[String], dir: &Path) -> Wrk {
-        let out = Command::new("scripts/bench-tools.sh")
-            .arg("wrk")
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("scripts/bench-tools.sh: {e}"));
-        assert!(out.status.success(), "scripts/bench-tools.sh wrk failed");
         let (voters, readers) = (dir.join("wrk-voters.txt"), dir.join("wrk-readers.txt"));
         for (file, tokens) in [(&voters, tokens), (&readers, &tokens[..READERS as usize])] {
             std::fs::write(file, tokens.join("\n") + "\n").unwrap_or_else(|e| panic!("{e}"));
         }
         Wrk {
-            bin: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()),
+            bin: bench_tool("wrk"),
             pinned,
             voters,
             readers,
@@ -1012,13 +1018,7 @@ impl Wrk {
     /// users of `tokens`; read back from the script's `done` line. Its
     /// latencies are of every answer: wrk does not tell them apart by status.
     fn closed(&self, api: &Api, script: &str, tokens: &Path, connections: u64, secs: u64) -> Step {
-        let mut cmd = if self.pinned {
-            let mut c = Command::new("taskset");
-            c.args(["-c", "1"]).arg(&self.bin);
-            c
-        } else {
-            Command::new(&self.bin)
-        };
+        let mut cmd = generator(&self.bin, self.pinned);
         cmd.args(["-t1", "--timeout", "10s"])
             .arg(format!("-c{connections}"))
             .arg(format!("-d{secs}s"))

@@ -251,13 +251,17 @@ mod tests {
         assert!(!caller.admin);
     }
 
+    fn caller(user: &str, admin: bool) -> Caller {
+        Caller {
+            user: UserId::parse(user).unwrap_or_else(|e| panic!("{e}")),
+            admin,
+        }
+    }
+
     #[test]
     fn a_remembered_token_answers_only_itself_before_its_exp_for_a_while_with_its_keys() {
         let verified = Verified::default();
-        let alice = Caller {
-            user: UserId::parse("alice").unwrap_or_else(|e| panic!("{e}")),
-            admin: false,
-        };
+        let alice = caller("alice", false);
         let t0 = Instant::now();
         verified.put("token", &alice, 1_000, 7, (900, t0));
         let get = |token: &str, keys, unix, at| {
@@ -280,10 +284,7 @@ mod tests {
     #[test]
     fn remembered_tokens_are_bounded() {
         let verified = Verified::default();
-        let bob = Caller {
-            user: UserId::parse("bob").unwrap_or_else(|e| panic!("{e}")),
-            admin: true,
-        };
+        let bob = caller("bob", true);
         let now = (0, Instant::now());
         for i in 0..=MAX_REMEMBERED {
             verified.put(&format!("t{i}"), &bob, 10, 0, now);
