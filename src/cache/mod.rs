@@ -153,6 +153,8 @@ impl CacheError {
                     || e.is_connection_refusal()
                     || e.is_timeout()
                     || e.is_unrecoverable_error()
+                    // A former primary, after a failover.
+                    || e.kind() == redis::ErrorKind::ReadOnly
             }
             CacheError::Shape(_) | CacheError::Served(_) => false,
         }
@@ -426,15 +428,23 @@ pub struct Written<'a> {
 #[derive(Clone)]
 pub struct Cache {
     pool: Pool,
-    /// The connection every operation shares (see `conn`); `None` until
-    /// the first one, and again after one failed on it.
-    held: Arc<Mutex<Option<deadpool_redis::Connection>>>,
+    /// The connection every operation shares (see `conn`).
+    held: Arc<Mutex<Held>>,
     prefix: Arc<str>,
     apply: Arc<Script>,
     fill: Arc<Script>,
     write_through: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
+}
+
+/// The connection a cache's operations share: `None` until the first one,
+/// and again after one failed on it. Each is numbered as it is taken, so a
+/// failure lets go of the connection it came on and no later one.
+#[derive(Default)]
+struct Held {
+    taken: u64,
+    conn: Option<(u64, deadpool_redis::Connection)>,
 }
 
 /// How old a pending change may grow before a write-through drops it: far
@@ -492,48 +502,72 @@ impl Cache {
         self.ttl_secs.store(ttl.as_secs().max(1), Ordering::Relaxed);
     }
 
-    /// A connection for one operation. deadpool-redis checks every
-    /// connection it hands out with a round trip (UNWATCH and PING), which
-    /// doubled the round trips of a page's read; a multiplexed connection
-    /// carries any number of operations at once, so one is taken from the
-    /// pool and shared until an operation on it fails (`within`).
-    async fn conn(&self) -> Result<MultiplexedConnection, CacheError> {
+    /// A connection for one operation, and the number it is shared under.
+    /// deadpool-redis checks every connection it hands out with a round
+    /// trip (UNWATCH and PING), which doubled the round trips of a page's
+    /// read; a multiplexed connection carries any number of operations at
+    /// once, so one is taken from the pool and shared until an operation on
+    /// it fails (`within`).
+    async fn conn(&self) -> Result<(u64, MultiplexedConnection), CacheError> {
         if let Some(shared) = self.shared() {
             return Ok(shared);
         }
         let fresh = self.pool.get().await?;
-        let conn = (*fresh).clone();
-        if let Ok(mut held) = self.held.lock() {
-            // Another operation may have got one first: this one then goes
-            // back to the pool when dropped.
-            held.get_or_insert(fresh);
-        }
-        Ok(conn)
+        let Ok(mut held) = self.held.lock() else {
+            return Ok((0, (*fresh).clone()));
+        };
+        let Held { taken, conn } = &mut *held;
+        // Another operation may have got one first: then that one is shared
+        // and this one goes back to the pool.
+        let (n, shared) = conn.get_or_insert_with(|| {
+            *taken += 1;
+            (*taken, fresh)
+        });
+        Ok((*n, (**shared).clone()))
     }
 
-    fn shared(&self) -> Option<MultiplexedConnection> {
+    fn shared(&self) -> Option<(u64, MultiplexedConnection)> {
         let held = self.held.lock().ok()?;
-        held.as_ref().map(|c| (**c).clone())
+        held.conn.as_ref().map(|(n, c)| (*n, (**c).clone()))
     }
 
     /// Bounds one operation, waiting for a connection included: a Redis that
     /// accepts connections but never answers must not hold a vote or a read.
-    /// A failure that may have left the shared connection broken or stuck
-    /// lets it go (out of the pool too); the next operation takes another.
-    async fn within<T>(
-        &self,
-        op: impl Future<Output = Result<T, CacheError>>,
-    ) -> Result<T, CacheError> {
-        let result = tokio::time::timeout(self.timeout, op)
-            .await
-            .unwrap_or(Err(CacheError::Timeout(self.timeout)));
-        if let Err(e) = &result {
+    /// A failure that may have left its connection broken or stuck lets that
+    /// connection go; the next operation takes another.
+    async fn within<T, Op, Fut>(&self, op: Op) -> Result<T, CacheError>
+    where
+        Op: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = Result<T, redis::RedisError>>,
+    {
+        let mut used = None;
+        let result = tokio::time::timeout(self.timeout, async {
+            let (n, conn) = self.conn().await?;
+            used = Some(n);
+            Ok::<T, CacheError>(op(conn).await?)
+        })
+        .await
+        .unwrap_or(Err(CacheError::Timeout(self.timeout)));
+        if let (Err(e), Some(n)) = (&result, used) {
             if e.spoils_connection() {
-                let spoiled = self.held.lock().ok().and_then(|mut h| h.take());
-                drop(spoiled.map(deadpool_redis::Connection::take));
+                self.let_go(n);
             }
         }
         result
+    }
+
+    /// Lets the shared connection numbered `n` go, out of the pool too, if it
+    /// is still the shared one: a late failure on an earlier connection must
+    /// not throw away the fresh one taken since.
+    fn let_go(&self, n: u64) {
+        let spoiled = self.held.lock().ok().and_then(|mut held| {
+            if held.conn.as_ref().is_some_and(|(m, _)| *m == n) {
+                held.conn.take()
+            } else {
+                None
+            }
+        });
+        drop(spoiled.map(|(_, c)| deadpool_redis::Connection::take(c)));
     }
 
     /// Served totals for many targets in one round trip; `None` is a miss.
@@ -548,7 +582,7 @@ impl Cache {
             pipe.add_command(hget);
         }
         let rows: Vec<Option<String>> = self
-            .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { pipe.query_async(&mut c).await })
             .await?;
         rows.iter()
             .map(|v| v.as_deref().map(served_totals).transpose())
@@ -565,7 +599,7 @@ impl Cache {
             .arg(names());
         push_heads(&mut call, heads);
         let values: Vec<i64> = self
-            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { call.invoke_async(&mut c).await })
             .await?;
         totals_of(values)
     }
@@ -615,7 +649,7 @@ impl Cache {
             }
         }
         let answer: redis::Value = self
-            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { call.invoke_async(&mut c).await })
             .await?;
         match answer {
             // Too late: Redis ran it after the vote gave up waiting.
@@ -653,7 +687,7 @@ impl Cache {
             call.arg(user.as_str()).arg(*version);
         }
         let _: i64 = self
-            .within(async { Ok(call.invoke_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { call.invoke_async(&mut c).await })
             .await?;
         Ok(())
     }
@@ -661,7 +695,7 @@ impl Cache {
     /// Drops a target's entry, so the next read refills it from the durable totals.
     pub async fn invalidate(&self, target: &TargetId) -> Result<(), CacheError> {
         let del = redis::cmd("DEL").arg(self.key(target)).to_owned();
-        self.within(async { Ok(del.query_async(&mut self.conn().await?).await?) })
+        self.within(|mut c| async move { del.query_async(&mut c).await })
             .await
     }
 
@@ -678,7 +712,7 @@ impl Cache {
         let mut pipe = redis::pipe();
         pipe.incr(&key, 1).expire(&key, 2 * 86_400);
         let (count, _): (u64, i64) = self
-            .within(async { Ok(pipe.query_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { pipe.query_async(&mut c).await })
             .await?;
         Ok((count, Duration::from_secs(86_400 - into_day)))
     }
@@ -714,7 +748,7 @@ impl Cache {
     pub async fn ping(&self) -> Result<(), CacheError> {
         let ping = redis::cmd("PING");
         let _: String = self
-            .within(async { Ok(ping.query_async(&mut self.conn().await?).await?) })
+            .within(|mut c| async move { ping.query_async(&mut c).await })
             .await?;
         Ok(())
     }
@@ -803,6 +837,10 @@ mod tests {
         for spoils in [
             CacheError::Timeout(Duration::from_millis(500)),
             CacheError::Redis(redis::RedisError::from(reset)),
+            CacheError::Redis(redis::RedisError::from((
+                redis::ErrorKind::ReadOnly,
+                "READONLY",
+            ))),
         ] {
             assert!(spoils.spoils_connection(), "{spoils}");
         }
@@ -818,10 +856,29 @@ mod tests {
 
     #[test]
     fn served_totals_are_read_in_order_and_never_below_zero() {
-        let totals = served_totals("3|-1").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(totals.values(), [3, 0]);
-        for bad in ["3", "3|1|2", "3|x", "", "3||1"] {
-            assert!(served_totals(bad).is_err(), "{bad:?} should be refused");
+        // 3, -1, then 2, 3, ... for the reactions a build may add.
+        let value = |i: usize| match i {
+            0 => 3,
+            1 => -1,
+            i => i as i64,
+        };
+        let field = |n: usize| {
+            (0..n)
+                .map(|i| value(i).to_string())
+                .collect::<Vec<_>>()
+                .join("|")
+        };
+        let totals = served_totals(&field(N_COUNTED)).unwrap_or_else(|e| panic!("{e}"));
+        let expected: [i64; N_COUNTED] = std::array::from_fn(|i| value(i).max(0));
+        assert_eq!(totals.values(), expected);
+        for bad in [
+            field(N_COUNTED - 1),
+            field(N_COUNTED + 1),
+            "3|x".into(),
+            String::new(),
+            "3||1".into(),
+        ] {
+            assert!(served_totals(&bad).is_err(), "{bad:?} should be refused");
         }
     }
 
