@@ -28,9 +28,12 @@ pub struct Jwks {
     source: Source,
     algorithm: JwtAlgorithm,
     keys: RwLock<HashMap<String, DecodingKey>>,
-    /// How many times the keys were replaced: a token verified with keys of
-    /// an earlier read is verified again (the key may be gone).
+    /// How many times the keys changed: a token verified with keys of an
+    /// earlier set is verified again (its key may be gone).
     generation: AtomicU64,
+    /// The keys as text (see `usable`), to tell a changed set from the same
+    /// one read again.
+    fingerprint: RwLock<String>,
     /// Woken by a token with an unknown key id.
     unknown: Notify,
 }
@@ -64,14 +67,15 @@ impl Jwks {
             algorithm,
             keys: RwLock::default(),
             generation: AtomicU64::new(0),
+            fingerprint: RwLock::default(),
             unknown: Notify::new(),
         };
-        let keys = jwks.read().await?;
+        let (keys, fingerprint) = jwks.read().await?;
         anyhow::ensure!(
             !keys.is_empty(),
             "the JWKS at {spec} holds no {algorithm:?} key with a key id"
         );
-        jwks.replace(keys);
+        jwks.replace(keys, fingerprint);
         Ok(Arc::new(jwks))
     }
 
@@ -97,7 +101,7 @@ impl Jwks {
                     () = this.unknown.notified() => {}
                 }
                 match this.read().await {
-                    Ok(keys) if !keys.is_empty() => this.replace(keys),
+                    Ok((keys, fingerprint)) if !keys.is_empty() => this.replace(keys, fingerprint),
                     Ok(_) => {
                         tracing::warn!("the JWKS holds no usable key now; keeping the last ones")
                     }
@@ -111,13 +115,20 @@ impl Jwks {
         });
     }
 
-    fn replace(&self, keys: HashMap<String, DecodingKey>) {
+    fn replace(&self, keys: HashMap<String, DecodingKey>, fingerprint: String) {
         if let Ok(mut current) = self.keys.write() {
             let mut ids: Vec<&String> = keys.keys().collect();
             ids.sort();
             tracing::debug!(kids = ?ids, "JWKS keys");
             *current = keys;
-            self.generation.fetch_add(1, Ordering::Release);
+            // The same set read again keeps the tokens verified with it: a
+            // flood of made-up key ids rereads the set every second.
+            if let Ok(mut last) = self.fingerprint.write() {
+                if *last != fingerprint {
+                    *last = fingerprint;
+                    self.generation.fetch_add(1, Ordering::Release);
+                }
+            }
         }
     }
 
@@ -126,7 +137,7 @@ impl Jwks {
         self.generation.load(Ordering::Acquire)
     }
 
-    async fn read(&self) -> anyhow::Result<HashMap<String, DecodingKey>> {
+    async fn read(&self) -> anyhow::Result<(HashMap<String, DecodingKey>, String)> {
         let set: JwkSet = match &self.source {
             Source::Url(client, url) => client
                 .get(url)
@@ -150,16 +161,29 @@ impl Jwks {
 }
 
 /// The keys of a set that can verify `algorithm`, by key id: signing keys
-/// of the matching type, with an id.
-fn usable(set: &JwkSet, algorithm: JwtAlgorithm) -> HashMap<String, DecodingKey> {
-    set.keys
+/// of the matching type, with an id. And those keys as text, in key id
+/// order: the same text, the same keys.
+fn usable(set: &JwkSet, algorithm: JwtAlgorithm) -> (HashMap<String, DecodingKey>, String) {
+    let mut kept: Vec<(&String, &Jwk, DecodingKey)> = set
+        .keys
         .iter()
         .filter(|jwk| fits(jwk, algorithm))
         .filter_map(|jwk| {
-            let kid = jwk.common.key_id.clone()?;
-            DecodingKey::from_jwk(jwk).ok().map(|key| (kid, key))
+            let kid = jwk.common.key_id.as_ref()?;
+            DecodingKey::from_jwk(jwk).ok().map(|key| (kid, jwk, key))
         })
-        .collect()
+        .collect();
+    kept.sort_by(|a, b| a.0.cmp(b.0));
+    let fingerprint = kept
+        .iter()
+        .map(|(_, jwk, _)| serde_json::to_string(jwk).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let keys = kept
+        .into_iter()
+        .map(|(kid, _, key)| (kid.clone(), key))
+        .collect();
+    (keys, fingerprint)
 }
 
 fn fits(jwk: &Jwk, algorithm: JwtAlgorithm) -> bool {
@@ -191,6 +215,24 @@ mod tests {
     const N: &str = "sXchDaQebHnPiGvyDOAT4saGEUetSyo9MKLOoWFsueri23bOdgWp4Dy1WlUzewbgBHod5pcM9H95GQRV3JDXboIRROSBigeC5yjU1hGzHHyXss8UDprecbAYxknTcQkhslANGRUZmdTOQ5qTRsLAt6BTYuyvVRdhS8exSZEy_c4gs_7svlJJQ4H9_NxsiIoLwAEk7-Q3UXERGYw_75IDrGA84-lA_-Ct4eTlXHBIY2EaV7t7LjJaynVJCpkv4LKjTTAumiGUIuQhrNhZLuF_RJLqHpM2kgWFLU7-VTdL1VbC2tejvcI2BlMkEpk1BzBZI0KQB0GaDWFLN-aEAw3vRw";
 
     #[test]
+    fn the_same_keys_in_another_order_read_alike_and_a_changed_key_does_not() {
+        let key =
+            |kid: &str, n: &str| serde_json::json!({"kty": "RSA", "kid": kid, "n": n, "e": "AQAB"});
+        let other_n = format!("{}A", &N[..N.len() - 1]);
+        let print = |keys: Vec<serde_json::Value>| {
+            usable(
+                &set(serde_json::json!({ "keys": keys })),
+                JwtAlgorithm::Rs256,
+            )
+            .1
+        };
+        let ab = print(vec![key("a", N), key("b", N)]);
+        assert_eq!(ab, print(vec![key("b", N), key("a", N)]));
+        assert_ne!(ab, print(vec![key("a", N), key("b", &other_n)]));
+        assert_ne!(ab, print(vec![key("a", N)]));
+    }
+
+    #[test]
     fn only_signing_keys_of_the_pinned_algorithm_with_an_id_are_kept() {
         let jwks = set(serde_json::json!({"keys": [
             {"kty": "RSA", "kid": "a", "use": "sig", "alg": "RS256", "n": N, "e": "AQAB"},
@@ -200,10 +242,10 @@ mod tests {
             {"kty": "RSA", "kid": "ps", "alg": "PS256", "n": N, "e": "AQAB"},
             {"kty": "oct", "kid": "hmac", "k": "c2VjcmV0"}
         ]}));
-        let mut kept: Vec<String> = usable(&jwks, JwtAlgorithm::Rs256).into_keys().collect();
+        let mut kept: Vec<String> = usable(&jwks, JwtAlgorithm::Rs256).0.into_keys().collect();
         kept.sort();
         assert_eq!(kept, ["a", "no-alg"]);
-        assert!(usable(&jwks, JwtAlgorithm::Es256).is_empty());
-        assert!(usable(&jwks, JwtAlgorithm::Hs256).is_empty());
+        assert!(usable(&jwks, JwtAlgorithm::Es256).0.is_empty());
+        assert!(usable(&jwks, JwtAlgorithm::Hs256).0.is_empty());
     }
 }
