@@ -42,7 +42,11 @@ CONF="$ROOT/scripts/stack"
 STACK=${TALLY_STACK_DIR:-$ROOT/.stack}
 LOGS="$STACK/logs"
 RUN="$STACK/run"
-CASSANDRA_HEAP=${TALLY_CASSANDRA_HEAP:-1G}
+# 2 GB, not 1: after hours of benches, compacting a large system.paxos (the
+# default purging keeps Paxos state for the tables' gc_grace) beside a vote
+# load ran a 1 GB heap out of memory, and the node then died again on every
+# start while it compacted the same tables.
+CASSANDRA_HEAP=${TALLY_CASSANDRA_HEAP:-2G}
 KAFKA_HEAP=${TALLY_KAFKA_HEAP:-512M}
 # Three of each share 2 cores and the memory: smaller heaps per node.
 CLUSTER_CASSANDRA_HEAP=${TALLY_CLUSTER_CASSANDRA_HEAP:-512M}
