@@ -532,7 +532,8 @@ impl Caster {
             let (published, publish_done) = tokio::sync::oneshot::channel();
             let after = self.after.clone();
             let (user, key, request_id) = (user.clone(), key.clone(), request_id.to_owned());
-            tokio::spawn(async move {
+            // Boxed: some 8 KB, copied on each move into tokio otherwise.
+            tokio::spawn(Box::pin(async move {
                 let change = Pending {
                     user: &user,
                     version: transition.version,
@@ -550,7 +551,7 @@ impl Caster {
                 if let (true, Some(slot)) = (taken, intent) {
                     after.resolve(slot, &user, &key).await;
                 }
-            });
+            }));
             // Only a panic in the task can drop a sender; the vote stands.
             let _ = cache_done.await;
             if !self.config.publish_wait.is_zero() {

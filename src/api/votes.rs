@@ -68,7 +68,10 @@ pub async fn cast(
             .map_err(ApiError::from)
     };
     // The task keeps the request's span, so its log lines carry the request id.
-    let answer = tokio::spawn(vote_task.instrument(tracing::Span::current()))
+    // Boxed once here: the vote's future is some 12 KB, which every move on
+    // the way into tokio's task cell (and its output into the same cell)
+    // would copy again.
+    let answer = tokio::spawn(Box::pin(vote_task).instrument(tracing::Span::current()))
         .await
         // A task that died may have died after its write committed.
         .map_err(|e| {
