@@ -146,7 +146,9 @@ impl CacheError {
     /// better not used again.
     fn spoils_connection(&self) -> bool {
         match self {
-            CacheError::Pool(_) | CacheError::Timeout(_) => true,
+            CacheError::Timeout(_) => true,
+            // Taking a connection failed: none was shared, so none to let go.
+            CacheError::Pool(_) => false,
             CacheError::Redis(e) => {
                 e.is_io_error()
                     || e.is_connection_dropped()
@@ -387,16 +389,21 @@ fn served_totals(v: &str) -> Result<Totals, CacheError> {
     if n != N_COUNTED {
         return Err(CacheError::Shape(n));
     }
-    Ok(Totals::from_values(values.map(|x: i64| x.max(0))))
+    Ok(never_below_zero(values))
 }
 
-/// Totals from served values in field order; a count below zero (a change
-/// counted before the base caught up with the one before it) is served as 0.
+/// Totals from served values in field order.
 fn totals_of(values: Vec<i64>) -> Result<Totals, CacheError> {
     let n = values.len();
     <[i64; N_COUNTED]>::try_from(values)
-        .map(|v| Totals::from_values(v.map(|x| x.max(0))))
+        .map(never_below_zero)
         .map_err(|_| CacheError::Shape(n))
+}
+
+/// A count below zero (a change counted before the base caught up with the
+/// one before it) is served as 0.
+fn never_below_zero(values: [i64; N_COUNTED]) -> Totals {
+    Totals::from_values(values.map(|x| x.max(0)))
 }
 
 /// A change the vote path counts in the cache, ahead of the consumer.
@@ -849,6 +856,7 @@ mod tests {
             CacheError::Redis(refused),
             CacheError::Shape(3),
             CacheError::Served("x|y".into()),
+            CacheError::Pool(deadpool_redis::PoolError::Closed),
         ] {
             assert!(!keeps.spoils_connection(), "{keeps}");
         }
