@@ -508,8 +508,9 @@ async fn against(other: PathBuf) {
             let capacity = *capacity.get_or_insert(votes.goodput.max(1.0));
             for times in [3.0, 10.0].into_iter().filter(|_| overload) {
                 eprintln!(
-                    "http against: {}: votes open loop at {times}x {capacity:.0}/s",
-                    builds[b].0
+                    "http against: {}: votes open loop at {times}x {capacity:.0}/s, {:.0}/s",
+                    builds[b].0,
+                    capacity * times
                 );
                 let step = vegeta.attack(
                     &api,
@@ -666,6 +667,27 @@ impl Api {
         admission_target: Option<Duration>,
         read_limits: bool,
     ) -> Api {
+        // A port found free may be taken before tally binds it: it comes from
+        // the ephemeral range, which an open loop of vegeta's fills with
+        // client connections. A process that exits before it is ready (it
+        // could not listen) is started again on other ports.
+        for _ in 0..5 {
+            let started = Api::try_spawn(bin, env, group, admission_target, read_limits).await;
+            if let Some(api) = started {
+                return api;
+            }
+        }
+        panic!("tally vote exited before it became ready, five times");
+    }
+
+    /// `None` when the process exited before it became ready.
+    async fn try_spawn(
+        bin: &Path,
+        env: &support::BenchEnv,
+        group: &str,
+        admission_target: Option<Duration>,
+        read_limits: bool,
+    ) -> Option<Api> {
         let (port, ops_port) = (free_port(), free_port());
         let mut cmd = Command::new(bin);
         cmd.arg("vote")
@@ -690,7 +712,7 @@ impl Api {
             );
         }
         stores_env(&mut cmd, env);
-        let child = cmd
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -704,12 +726,15 @@ impl Api {
                 .send()
                 .await;
             if matches!(&ready, Ok(r) if r.status().is_success()) {
-                break;
+                return Some(Api { child, base });
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                eprintln!("tally vote exited before it was ready ({status}); starting it again");
+                return None;
             }
             assert!(Instant::now() < deadline, "tally vote did not become ready");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Api { child, base }
     }
 
     fn pid(&self) -> u32 {
