@@ -428,11 +428,13 @@ ask_to_stop() {
 await_stop() {
     local name=$1 pid
     pid=$(pid_of "$name") || return 0
-    local deadline=$((SECONDS + 60))
+    local deadline=$((SECONDS + 60)) killed=
     while kill -0 "$pid" 2>/dev/null; do
-        if [ "$SECONDS" -ge "$deadline" ]; then
+        # Once: a killed JVM can take a few polls to be gone.
+        if [ -z "$killed" ] && [ "$SECONDS" -ge "$deadline" ]; then
             log "$name did not stop within 60s; killing it"
             kill -KILL "$pid" 2>/dev/null || true
+            killed=1
         fi
         sleep 0.5
     done
