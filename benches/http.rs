@@ -747,6 +747,14 @@ impl Api {
     }
 }
 
+/// A bench that panics (a step's assertion, a deadline) leaves no `tally
+/// vote` behind holding its ports and the stores' connections.
+impl Drop for Api {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 fn spawn_consumer(env: &support::BenchEnv, group: &str) -> Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
     cmd.arg("consumer")
