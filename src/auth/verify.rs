@@ -131,7 +131,7 @@ impl Verifier {
             return Ok(caller);
         }
         let (caller, exp) = self.verify_fully(token)?;
-        self.verified.put(token, &caller, exp, keys, now);
+        self.verified.put(token, &caller, exp, keys, now.1);
         Ok(caller)
     }
 
@@ -201,7 +201,9 @@ impl Verified {
             .then(|| e.caller.clone())
     }
 
-    fn put(&self, token: &str, caller: &Caller, exp: u64, keys: u64, (_, at): (u64, Instant)) {
+    /// Remembers `token` as naming `caller` until `exp`, checked with keys
+    /// `keys` at `at`.
+    fn put(&self, token: &str, caller: &Caller, exp: u64, keys: u64, at: Instant) {
         let Ok(mut entries) = self.entries.lock() else {
             return;
         };
@@ -263,7 +265,7 @@ mod tests {
         let verified = Verified::default();
         let alice = caller("alice", false);
         let t0 = Instant::now();
-        verified.put("token", &alice, 1_000, 7, (900, t0));
+        verified.put("token", &alice, 1_000, 7, t0);
         let get = |token: &str, keys, unix, at| {
             verified
                 .get(token, keys, (unix, at))
@@ -287,7 +289,7 @@ mod tests {
         let bob = caller("bob", true);
         let now = (0, Instant::now());
         for i in 0..=MAX_REMEMBERED {
-            verified.put(&format!("t{i}"), &bob, 10, 0, now);
+            verified.put(&format!("t{i}"), &bob, 10, 0, now.1);
         }
         let len = verified
             .entries
