@@ -20,6 +20,13 @@
 //! the queue full, or waits out its time, is refused with 503 and
 //! Retry-After, before its token is verified or its body read. Waiting costs
 //! nothing but a timer; a refusal costs about what `/healthz` does.
+//!
+//! The queue is first come, first served: while anyone waits, a newcomer
+//! queues behind them rather than taking the place that just freed. Under a
+//! steady overload a newcomer that took every freed place left the waiters
+//! to wait out their time and be refused late, after holding a connection
+//! for up to four targets; served in turn, the queue moves, the waiters are
+//! admitted, and the excess finds the queue full and is refused at once.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -95,11 +102,13 @@ impl Admission {
     /// A permit, at once or after a wait in the queue; `None` when the
     /// queue is full or the wait ran out.
     pub async fn admit(self: &Arc<Self>) -> Option<Permit> {
-        if let Some(permit) = self.try_admit() {
-            return Some(permit);
-        }
         let queued = {
             let mut state = self.lock();
+            if state.waiting == 0 {
+                if let Some(permit) = self.take_place(&mut state) {
+                    return Some(permit);
+                }
+            }
             if state.waiting as f64 >= state.limit.floor() {
                 None
             } else {
@@ -128,9 +137,14 @@ impl Admission {
         permit
     }
 
-    /// A permit if fewer requests than the limit are running.
+    /// A permit for a waiter if fewer requests than the limit are running.
     fn try_admit(self: &Arc<Self>) -> Option<Permit> {
         let mut state = self.lock();
+        self.take_place(&mut state)
+    }
+
+    /// A permit if fewer requests than the limit are running.
+    fn take_place(self: &Arc<Self>, state: &mut State) -> Option<Permit> {
         if state.in_flight as f64 >= state.limit.floor() {
             return None;
         }
@@ -177,6 +191,10 @@ impl Admission {
         let after = state.limit;
         drop(state);
         self.freed.notify_one();
+        if after.floor() > before.floor() {
+            // A place more than the one given back: a waiter more may go.
+            self.freed.notify_one();
+        }
         if after.floor() != before.floor() {
             self.export(after);
         }
@@ -299,6 +317,32 @@ mod tests {
         assert!(
             admitted.is_some(),
             "freed after 300 ms, within the 1 s turnover though past the 50 ms wait"
+        );
+    }
+
+    /// A place freed while someone waits goes to the waiter, not to a
+    /// request that arrives before the waiter has run: that one finds the
+    /// queue full and is refused at once.
+    #[tokio::test]
+    async fn a_freed_place_goes_to_the_waiter_not_to_a_newcomer() {
+        let a = admission(1, 1);
+        let running = a.admit().await;
+        assert!(running.is_some());
+        let waiter = tokio::spawn(wait(a.clone()));
+        while a.lock().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+        drop(running);
+        // The waiter has been told but has not run yet (one thread).
+        assert!(
+            a.admit().await.is_none(),
+            "a newcomer does not jump the queue"
+        );
+        let admitted = waiter.await.ok().flatten();
+        assert!(admitted.is_some(), "the waiter got the place");
+        assert!(
+            a.admit().await.is_none(),
+            "the place is the waiter's while it runs"
         );
     }
 
