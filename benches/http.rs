@@ -15,7 +15,13 @@
 //!   scripts/stack.sh up && cargo bench --bench http
 //!
 //! Knobs: TALLY_HTTP_SECS (seconds per step, default 10), TALLY_HTTP_PIN=1
-//! (vegeta on CPU 1 only, `taskset`), TALLY_HTTP_QUICK=1 (only the closed
+//! (the machine split in two with `taskset`: every server, the stack's and
+//! tally's, on CPU 0, the generators and this process on CPU 1, so that no
+//! generator takes CPU from the service it measures), TALLY_HTTP_OVERLOAD=1
+//! (only this: the capacity of a closed loop of votes, then open loops at
+//! 0.5x, 1x, 3x and 10x of it, adaptive admission and the fixed ceiling,
+//! each step started with the consumer caught up; http-overload.json),
+//! TALLY_HTTP_QUICK=1 (only the closed
 //! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
 //! `tally vote` during closed loops of votes and of pages of their own, after
 //! the measured ones), TALLY_HTTP_FLOOD=1 (only this: other users' pages at a
@@ -62,12 +68,18 @@ fn main() {
         .enable_all()
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
+    // Before anything starts: the servers tally spawns take CPU 0 from here.
+    let _split = pinned().then(Split::apply);
     if std::env::var("TALLY_HTTP_FLOOD").is_ok_and(|v| v == "1") {
         rt.block_on(flood());
         return;
     }
     if let Some(other) = std::env::var_os("TALLY_HTTP_AGAINST") {
         rt.block_on(against(PathBuf::from(other)));
+        return;
+    }
+    if std::env::var("TALLY_HTTP_OVERLOAD").is_ok_and(|v| v == "1") {
+        rt.block_on(overload());
         return;
     }
     let results = rt.block_on(run());
@@ -181,7 +193,7 @@ struct Results {
 
 async fn run() -> Results {
     let secs = env_num("TALLY_HTTP_SECS", 10);
-    let pinned = std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1");
+    let pinned = pinned();
     // Only the closed loops of the API: for trying a setting against another.
     let quick = std::env::var("TALLY_HTTP_QUICK").is_ok_and(|v| v == "1");
     let vegeta = Vegeta::install(pinned);
@@ -334,39 +346,250 @@ async fn run() -> Results {
         );
         results.pages_curve.push(step);
     }
-    for times in [1.0, 3.0, 10.0] {
-        let rate = vote_capacity * times;
-        eprintln!("http: votes, overload {times}x at {rate:.0}/s, adaptive admission, {secs}s");
-        let step = vegeta.attack(
-            &api,
-            &mut Targets::Votes(&tokens, &mut rng),
-            Load::Open(rate),
-            secs,
-            &dir,
-        );
-        results.overload_after.push(step);
-    }
-
+    let overload = Overload {
+        vegeta: &vegeta,
+        env: &env,
+        group: &group,
+        tokens: &tokens,
+        dir: &dir,
+        secs,
+        capacity: vote_capacity,
+    };
+    results.overload_after = overload
+        .steps(&api, &mut rng, &[1.0, 3.0, 10.0], "adaptive admission")
+        .await;
     // Before: admission never adapts, so it admits up to the fixed ceiling.
     api.stop();
     api = Api::spawn(&env, &group, Some(Duration::from_secs(3600))).await;
-    for times in [1.0, 3.0, 10.0] {
-        let rate = vote_capacity * times;
-        eprintln!("http: votes, overload {times}x at {rate:.0}/s, fixed ceiling, {secs}s");
-        let step = vegeta.attack(
-            &api,
-            &mut Targets::Votes(&tokens, &mut rng),
-            Load::Open(rate),
-            secs,
-            &dir,
-        );
-        results.overload_before.push(step);
-    }
+    results.overload_before = overload
+        .steps(&api, &mut rng, &[1.0, 3.0, 10.0], "fixed ceiling")
+        .await;
     api.stop();
     let _ = consumer.kill();
     let _ = consumer.wait();
     env.drop_all().await;
     results
+}
+
+/// Open loops of votes at multiples of a measured capacity.
+struct Overload<'a> {
+    vegeta: &'a Vegeta,
+    env: &'a support::BenchEnv,
+    group: &'a str,
+    tokens: &'a [String],
+    dir: &'a Path,
+    secs: u64,
+    /// Votes/s of the closed loop the rates are multiples of.
+    capacity: f64,
+}
+
+impl Overload<'_> {
+    /// One step per multiple, each started with the consumer caught up, as
+    /// the closed loop that measured the capacity was: a backlog left by the
+    /// step before would otherwise count against the next.
+    async fn steps(&self, api: &Api, rng: &mut Zipf, times: &[f64], admission: &str) -> Vec<Step> {
+        let mut steps = Vec::new();
+        for &times in times {
+            if drained(&self.env.kafka, self.group, Duration::from_secs(120))
+                .await
+                .is_none()
+            {
+                eprintln!("http: the consumer did not catch up within 120 s; the step runs anyway");
+            }
+            let rate = self.capacity * times;
+            eprintln!(
+                "http: votes, overload {times}x at {rate:.0}/s, {admission}, {}s",
+                self.secs
+            );
+            steps.push(self.vegeta.attack(
+                api,
+                &mut Targets::Votes(self.tokens, rng),
+                Load::Open(rate),
+                self.secs,
+                self.dir,
+            ));
+        }
+        steps
+    }
+}
+
+/// Only the overload table (TALLY_HTTP_OVERLOAD=1): a closed loop of votes
+/// for the capacity, then open loops at 0.5x (the unloaded reference for
+/// latency), 1x, 3x and 10x of it, with adaptive admission and with the fixed
+/// ceiling, each API started afresh.
+async fn overload() {
+    let secs = env_num("TALLY_HTTP_SECS", 10);
+    let vegeta = Vegeta::install(pinned());
+    let env = bench_env("httpol", 6).await;
+    let group = format!("bench-http-ol-{}", std::process::id());
+    let dir = results_dir();
+    let tokens = tokens("u", 0..VOTERS);
+    let mut consumer = spawn_consumer(&env, &group);
+    let mut rng = Zipf::new(1, 1.0, 42);
+    let times = [0.5, 1.0, 3.0, 10.0];
+
+    let mut api = Api::spawn(&env, &group, None).await;
+    // A fresh keyspace, a new process and maybe a cold JVM: the first loop
+    // ran at a tenth of the next one's rate, so it is only a warm-up.
+    eprintln!("http: votes, closed loop, 64 in flight, {secs}s (warm-up, not measured)");
+    let _ = vegeta.attack(
+        &api,
+        &mut Targets::Votes(&tokens, &mut rng),
+        Load::Closed(64),
+        secs,
+        &dir,
+    );
+    drained(&env.kafka, &group, Duration::from_secs(120)).await;
+    eprintln!("http: votes, closed loop, 64 in flight, {}s", secs * 2);
+    let closed = vegeta.attack(
+        &api,
+        &mut Targets::Votes(&tokens, &mut rng),
+        Load::Closed(64),
+        secs * 2,
+        &dir,
+    );
+    let overload = Overload {
+        vegeta: &vegeta,
+        env: &env,
+        group: &group,
+        tokens: &tokens,
+        dir: &dir,
+        secs,
+        capacity: closed.goodput.max(1.0),
+    };
+    let after = overload
+        .steps(&api, &mut rng, &times, "adaptive admission")
+        .await;
+    api.stop();
+    let mut api = Api::spawn(&env, &group, Some(Duration::from_secs(3600))).await;
+    let before = overload
+        .steps(&api, &mut rng, &times, "fixed ceiling")
+        .await;
+    api.stop();
+    let _ = consumer.kill();
+    let _ = consumer.wait();
+    env.drop_all().await;
+
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "HTTP overload, {} at {} (service on CPU 0, generators on CPU 1: {})\n",
+        humantime::format_rfc3339_seconds(std::time::SystemTime::now()),
+        git_commit(),
+        pinned()
+    );
+    let _ = writeln!(
+        md,
+        "capacity: a closed loop of 64 votes in flight, {:.0} votes/s, p99 {:.1} ms\n",
+        overload.capacity, closed.ok_ms.p99
+    );
+    for (name, steps) in [
+        ("adaptive admission", &after),
+        ("fixed ceiling (before)", &before),
+    ] {
+        steps_table(&mut md, name, steps);
+        // The unloaded reference: the step at half the capacity.
+        let unloaded = steps.first().map_or(1.0, |s| s.ok_ms.p99.max(1e-9));
+        for (t, s) in times.iter().zip(steps).skip(1) {
+            let _ = writeln!(
+                md,
+                "- {name}, {t}x: goodput {:.2}x the capacity, admitted p99 {:.2}x the p99 at 0.5x, {} refused (p99 {:.1} ms), {} other errors",
+                s.goodput / overload.capacity,
+                s.ok_ms.p99 / unloaded,
+                s.refused,
+                s.refused_ms.p99,
+                s.errors
+            );
+        }
+        md.push('\n');
+    }
+    println!("{md}");
+    let json = serde_json::json!({
+        "commit": git_commit(),
+        "date": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        "pinned": pinned(),
+        "capacity": closed,
+        "times": times,
+        "adaptive": after,
+        "fixed_ceiling": before,
+    });
+    write_json(&dir.join("http-overload.json"), &json, "http overload");
+    let _ = std::fs::write(dir.join("http-overload.md"), &md);
+}
+
+/// TALLY_HTTP_PIN=1: servers on CPU 0, generators on CPU 1 (`Split`).
+fn pinned() -> bool {
+    std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1")
+}
+
+/// The machine split in two for the run (TALLY_HTTP_PIN=1): the stack's
+/// servers on CPU 0, this process (the store ceilings' driver, the in-process
+/// generator) on CPU 1, where the generators it spawns inherit it, and the
+/// tally processes it spawns on CPU 0 (`server`). On two shared cores an open
+/// loop at 10x the capacity took 1.5 cores for vegeta alone, starving the
+/// service it measured. Put back as it was when dropped.
+struct Split {
+    stack: Vec<u32>,
+    all: String,
+}
+
+impl Split {
+    fn apply() -> Split {
+        let all = std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|e| panic!("which CPUs are online: {e}"));
+        assert!(
+            all != "0",
+            "TALLY_HTTP_PIN=1 needs two CPUs; this machine has one"
+        );
+        let run = std::env::var_os("TALLY_STACK_DIR")
+            .map_or_else(|| PathBuf::from(".stack"), PathBuf::from)
+            .join("run");
+        let stack: Vec<u32> = std::fs::read_dir(&run)
+            .unwrap_or_else(|e| panic!("{}: {e}", run.display()))
+            .filter_map(Result::ok)
+            .filter(|e| e.path().extension().is_some_and(|x| x == "pid"))
+            .filter_map(|e| std::fs::read_to_string(e.path()).ok()?.trim().parse().ok())
+            .collect();
+        for &pid in &stack {
+            pin(pid, "0");
+        }
+        pin(std::process::id(), "1");
+        eprintln!(
+            "http: the stack's servers ({} processes) and tally on CPU 0, the generators on CPU 1",
+            stack.len()
+        );
+        Split { stack, all }
+    }
+}
+
+impl Drop for Split {
+    fn drop(&mut self) {
+        for &pid in &self.stack {
+            pin(pid, &self.all);
+        }
+        pin(std::process::id(), &self.all);
+    }
+}
+
+/// Every thread of `pid` on `cpus` (a process that is gone is left alone).
+fn pin(pid: u32, cpus: &str) {
+    let _ = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus])
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .status();
+}
+
+/// A tally process's command: on CPU 0 when the machine is split.
+fn server(bin: &Path) -> Command {
+    if pinned() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "0"]).arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    }
 }
 
 /// Pages read by 2,000 users at a steady rate, alone, then while one more
@@ -468,7 +691,7 @@ async fn against(other: PathBuf) {
         "TALLY_HTTP_AGAINST: no binary at {}",
         other.display()
     );
-    let vegeta = Vegeta::install(std::env::var("TALLY_HTTP_PIN").is_ok_and(|v| v == "1"));
+    let vegeta = Vegeta::install(pinned());
     let env = bench_env("httpab", 6).await;
     let group = format!("bench-http-ab-{}", std::process::id());
     let dir = results_dir();
@@ -506,20 +729,20 @@ async fn against(other: PathBuf) {
             );
             // Both builds are offered the same rates: the first closed loop's.
             let capacity = *capacity.get_or_insert(votes.goodput.max(1.0));
-            for times in [3.0, 10.0].into_iter().filter(|_| overload) {
-                eprintln!(
-                    "http against: {}: votes open loop at {times}x {capacity:.0}/s, {:.0}/s",
-                    builds[b].0,
-                    capacity * times
-                );
-                let step = vegeta.attack(
-                    &api,
-                    &mut Targets::Votes(&tokens, &mut rng),
-                    Load::Open(capacity * times),
+            if overload {
+                let times = [3.0, 10.0];
+                let steps = Overload {
+                    vegeta: &vegeta,
+                    env: &env,
+                    group: &group,
+                    tokens: &tokens,
+                    dir: &dir,
                     secs,
-                    &dir,
-                );
-                overloads.push((b, round, times, step));
+                    capacity,
+                }
+                .steps(&api, &mut rng, &times, builds[b].0)
+                .await;
+                overloads.extend(times.into_iter().zip(steps).map(|(t, s)| (b, round, t, s)));
             }
             api.stop();
             runs.push((b, round, votes, pages));
@@ -689,7 +912,7 @@ impl Api {
         read_limits: bool,
     ) -> Option<Api> {
         let (port, ops_port) = (free_port(), free_port());
-        let mut cmd = Command::new(bin);
+        let mut cmd = server(bin);
         cmd.arg("vote")
             .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
             .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops_port}"))
@@ -756,7 +979,7 @@ impl Drop for Api {
 }
 
 fn spawn_consumer(env: &support::BenchEnv, group: &str) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+    let mut cmd = server(Path::new(env!("CARGO_BIN_EXE_tally")));
     cmd.arg("consumer")
         .env("TALLY_CONSUMER_GROUP", group)
         .env("TALLY_CONSUMER_LISTEN", "127.0.0.1:0")
@@ -962,7 +1185,8 @@ fn bench_tool(name: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
-/// A generator's command, on CPU 1 only when `pinned` (TALLY_HTTP_PIN=1).
+/// A generator's command, on CPU 1 only when `pinned` (TALLY_HTTP_PIN=1;
+/// this process is there too then, so this only says so).
 fn generator(bin: &Path, pinned: bool) -> Command {
     if pinned {
         let mut c = Command::new("taskset");
@@ -1266,7 +1490,7 @@ fn report(r: &Results) {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "HTTP bench, {} at {} (vegeta pinned to CPU 1: {})\n",
+        "HTTP bench, {} at {} (service on CPU 0, generators on CPU 1: {})\n",
         r.date, r.commit, r.pinned
     );
     let _ = writeln!(
@@ -1335,28 +1559,7 @@ fn report(r: &Results) {
         ("votes overload, adaptive admission", &r.overload_after),
         ("votes overload, fixed ceiling (before)", &r.overload_before),
     ] {
-        let _ = writeln!(
-            md,
-            "| {name}: offered/s | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p99 ms | other errors | CPU/request |"
-        );
-        let _ = writeln!(
-            md,
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        );
-        for s in steps {
-            let _ = writeln!(
-                md,
-                "| {:.0} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {} | {:.0} µs |",
-                s.offered.unwrap_or_default(),
-                s.goodput,
-                s.ok_ms.p50,
-                s.ok_ms.p99,
-                s.refused,
-                s.refused_ms.p99,
-                s.errors,
-                s.server_cpu_us
-            );
-        }
+        steps_table(&mut md, name, steps);
         md.push('\n');
     }
     println!("{md}");
@@ -1368,6 +1571,35 @@ fn report(r: &Results) {
     let _ = std::fs::write(dir.join("http.md"), &md);
     let _ = std::fs::write(dir.join("http-latency.svg"), svg(r));
     eprintln!("results in {}", dir.display());
+}
+
+/// Open-loop steps as a Markdown table.
+fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
+    let _ = writeln!(
+        md,
+        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | tally CPU/request | generator CPU/request |"
+    );
+    let _ = writeln!(
+        md,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for s in steps {
+        let _ = writeln!(
+            md,
+            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {:.0} µs | {:.0} µs |",
+            s.offered.unwrap_or_default(),
+            s.sent,
+            s.goodput,
+            s.ok_ms.p50,
+            s.ok_ms.p99,
+            s.refused,
+            s.refused_ms.p50,
+            s.refused_ms.p99,
+            s.errors,
+            s.server_cpu_us,
+            s.generator_cpu_us
+        );
+    }
 }
 
 /// The must-show ratios of the closed loops, each generator's in turn.
