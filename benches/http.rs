@@ -355,16 +355,9 @@ async fn run() -> Results {
         secs,
         capacity: vote_capacity,
     };
-    results.overload_after = overload
-        .steps(&api, &mut rng, &[1.0, 3.0, 10.0], "adaptive admission")
+    (results.overload_after, results.overload_before) = overload
+        .after_and_before(api, &mut rng, &[1.0, 3.0, 10.0])
         .await;
-    // Before: admission never adapts, so it admits up to the fixed ceiling.
-    api.stop();
-    api = Api::spawn(&env, &group, Some(Duration::from_secs(3600))).await;
-    results.overload_before = overload
-        .steps(&api, &mut rng, &[1.0, 3.0, 10.0], "fixed ceiling")
-        .await;
-    api.stop();
     let _ = consumer.kill();
     let _ = consumer.wait();
     env.drop_all().await;
@@ -411,6 +404,23 @@ impl Overload<'_> {
         }
         steps
     }
+
+    /// The steps against `api` (adaptive admission), which then stops, and
+    /// again against an API whose admission never adapts, so it admits up
+    /// to the fixed ceiling: the behaviour before.
+    async fn after_and_before(
+        &self,
+        mut api: Api,
+        rng: &mut Zipf,
+        times: &[f64],
+    ) -> (Vec<Step>, Vec<Step>) {
+        let after = self.steps(&api, rng, times, "adaptive admission").await;
+        api.stop();
+        let mut api = Api::spawn(self.env, self.group, Some(Duration::from_secs(3600))).await;
+        let before = self.steps(&api, rng, times, "fixed ceiling").await;
+        api.stop();
+        (after, before)
+    }
 }
 
 /// Only the overload table (TALLY_HTTP_OVERLOAD=1): a closed loop of votes
@@ -428,7 +438,7 @@ async fn overload() {
     let mut rng = Zipf::new(1, 1.0, 42);
     let times = [0.5, 1.0, 3.0, 10.0];
 
-    let mut api = Api::spawn(&env, &group, None).await;
+    let api = Api::spawn(&env, &group, None).await;
     // A fresh keyspace, a new process and maybe a cold JVM: the first loop
     // ran at a tenth of the next one's rate, so it is only a warm-up.
     eprintln!("http: votes, closed loop, 64 in flight, {secs}s (warm-up, not measured)");
@@ -457,15 +467,7 @@ async fn overload() {
         secs,
         capacity: closed.goodput.max(1.0),
     };
-    let after = overload
-        .steps(&api, &mut rng, &times, "adaptive admission")
-        .await;
-    api.stop();
-    let mut api = Api::spawn(&env, &group, Some(Duration::from_secs(3600))).await;
-    let before = overload
-        .steps(&api, &mut rng, &times, "fixed ceiling")
-        .await;
-    api.stop();
+    let (after, before) = overload.after_and_before(api, &mut rng, &times).await;
     let _ = consumer.kill();
     let _ = consumer.wait();
     env.drop_all().await;
