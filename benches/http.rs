@@ -531,18 +531,17 @@ fn pinned() -> bool {
 /// loop at 10x the capacity took 1.5 cores for vegeta alone, starving the
 /// service it measured. Put back as it was when dropped.
 struct Split {
-    stack: Vec<u32>,
-    all: String,
+    /// Each pinned process with the CPUs it had before.
+    before: Vec<(u32, String)>,
 }
 
 impl Split {
     fn apply() -> Split {
-        let all = std::fs::read_to_string("/sys/devices/system/cpu/online")
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_else(|e| panic!("which CPUs are online: {e}"));
+        let own = std::process::id();
+        let allowed = cpus_of(own).unwrap_or_else(|| panic!("no CPU list for this process"));
         assert!(
-            all != "0",
-            "TALLY_HTTP_PIN=1 needs two CPUs; this machine has one"
+            ["0", "1"].iter().all(|c| cpu_in(&allowed, c)),
+            "TALLY_HTTP_PIN=1 needs CPUs 0 and 1; this process may use {allowed}"
         );
         let run = std::env::var_os("TALLY_STACK_DIR")
             .map_or_else(|| PathBuf::from(".stack"), PathBuf::from)
@@ -553,34 +552,59 @@ impl Split {
             .filter(|e| e.path().extension().is_some_and(|x| x == "pid"))
             .filter_map(|e| std::fs::read_to_string(e.path()).ok()?.trim().parse().ok())
             .collect();
-        for &pid in &stack {
-            pin(pid, "0");
+        let mut split = Split { before: Vec::new() };
+        for (pid, cpus) in stack.iter().map(|&p| (p, "0")).chain([(own, "1")]) {
+            let Some(had) = cpus_of(pid) else { continue };
+            assert!(pin(pid, cpus), "taskset could not move {pid} to CPU {cpus}");
+            split.before.push((pid, had));
         }
-        pin(std::process::id(), "1");
         eprintln!(
-            "http: the stack's servers ({} processes) and tally on CPU 0, the generators on CPU 1",
-            stack.len()
+            "http: the stack's servers ({} processes) and tally on CPU 0, the generators on CPU 1; \
+             put back when the bench ends (after a kill: scripts/stack.sh restart)",
+            split.before.len().saturating_sub(1)
         );
-        Split { stack, all }
+        split
     }
 }
 
 impl Drop for Split {
     fn drop(&mut self) {
-        for &pid in &self.stack {
-            pin(pid, &self.all);
+        for (pid, cpus) in &self.before {
+            pin(*pid, cpus);
         }
-        pin(std::process::id(), &self.all);
     }
 }
 
-/// Every thread of `pid` on `cpus` (a process that is gone is left alone).
-fn pin(pid: u32, cpus: &str) {
-    let _ = Command::new("taskset")
+/// The CPUs `pid` may run on, as Linux lists them ("0-1"); `None` if it is gone.
+fn cpus_of(pid: u32) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|l| l.trim().to_owned())
+}
+
+/// Whether `cpu` is in a list like "0-1,4".
+fn cpu_in(list: &str, cpu: &str) -> bool {
+    let Ok(cpu) = cpu.parse::<u32>() else {
+        return false;
+    };
+    list.split(',').any(|part| match part.split_once('-') {
+        Some((lo, hi)) => {
+            lo.parse().is_ok_and(|lo: u32| lo <= cpu) && hi.parse().is_ok_and(|hi: u32| cpu <= hi)
+        }
+        None => part.parse() == Ok(cpu),
+    })
+}
+
+/// Every thread of `pid` on `cpus`.
+fn pin(pid: u32, cpus: &str) -> bool {
+    Command::new("taskset")
         .args(["-a", "-p", "-c", cpus])
         .arg(pid.to_string())
         .stdout(Stdio::null())
-        .status();
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A tally process's command: on CPU 0 when the machine is split.
@@ -1012,11 +1036,13 @@ fn free_port() -> u16 {
 }
 
 /// Polls the consumer group's lag until it is 0, and says how long that took.
+/// A lag that could not be read (a broker slow to answer on a busy core), or
+/// a group with no partitions yet, is asked again until `limit`.
 async fn drained(kafka: &tally::bus::KafkaConfig, group: &str, limit: Duration) -> Option<f64> {
     let started = Instant::now();
     while started.elapsed() < limit {
-        let lag = tally::bus::lag::group_lag(kafka, group).ok()?;
-        if lag.iter().all(|p| p.messages == 0) {
+        let lag = tally::bus::lag::group_lag(kafka, group).unwrap_or_default();
+        if !lag.is_empty() && lag.iter().all(|p| p.messages == 0) {
             return Some(started.elapsed().as_secs_f64());
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

@@ -21,15 +21,18 @@
 //! Retry-After, before its token is verified or its body read. Waiting costs
 //! nothing but a timer; a refusal costs about what `/healthz` does.
 //!
-//! The queue is first come, first served: while anyone waits, a newcomer
-//! queues behind them rather than taking the place that just freed. Under a
-//! steady overload a newcomer that took every freed place left the waiters
-//! to wait out their time and be refused late, after holding a connection
-//! for up to four targets; served in turn, the queue moves, the waiters are
-//! admitted, and the excess finds the queue full and is refused at once.
+//! The queue is first come, first served: the places are the permits of a
+//! fair semaphore, so a place given back goes straight to the longest
+//! waiter, and a newcomer finds none free while anyone waits. Under a steady
+//! overload a newcomer that took every freed place left the waiters to wait
+//! out their time and be refused late, after holding a connection for up to
+//! four targets; served in turn, the queue moves, the waiters are admitted,
+//! and the excess finds the queue full and is refused at once.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AdmissionConfig {
@@ -48,8 +51,9 @@ pub struct Admission {
     kind: &'static str,
     config: AdmissionConfig,
     state: Mutex<State>,
-    /// Told each time a place is given back.
-    freed: tokio::sync::Notify,
+    /// As many permits as the limit: tokio's semaphore hands them out in
+    /// the order they were asked for.
+    places: Arc<Semaphore>,
 }
 
 struct State {
@@ -60,6 +64,9 @@ struct State {
     /// Moving average of how long requests took, in seconds.
     average: f64,
     last_cut: Option<Instant>,
+    /// Places the limit lost while they were in use: as many of the next
+    /// ones given back are not returned to `places`.
+    owed: usize,
 }
 
 /// The weight of the newest answer in the moving average.
@@ -69,6 +76,8 @@ const WEIGHT: f64 = 0.1;
 /// long the request took.
 pub struct Permit {
     admission: Arc<Admission>,
+    /// Its place; taken only when the permit is dropped.
+    place: Option<OwnedSemaphorePermit>,
     started: Instant,
     /// Whether the limit was in use when this request was admitted: only
     /// then does a fast answer say the limit may grow.
@@ -86,13 +95,14 @@ impl Admission {
         let admission = Admission {
             kind,
             config,
-            freed: tokio::sync::Notify::new(),
+            places: Arc::new(Semaphore::new(config.max)),
             state: Mutex::new(State {
                 limit: config.max as f64,
                 in_flight: 0,
                 waiting: 0,
                 average: 0.0,
                 last_cut: None,
+                owed: 0,
             }),
         };
         admission.export(config.max as f64);
@@ -102,13 +112,12 @@ impl Admission {
     /// A permit, at once or after a wait in the queue; `None` when the
     /// queue is full or the wait ran out.
     pub async fn admit(self: &Arc<Self>) -> Option<Permit> {
+        // A place is free only while no one waits for it.
+        if let Ok(place) = self.places.clone().try_acquire_owned() {
+            return Some(self.admitted(place));
+        }
         let queued = {
             let mut state = self.lock();
-            if state.waiting == 0 {
-                if let Some(permit) = self.take_place(&mut state) {
-                    return Some(permit);
-                }
-            }
             if state.waiting as f64 >= state.limit.floor() {
                 None
             } else {
@@ -120,14 +129,13 @@ impl Admission {
             None => None,
             Some(_place) => {
                 let deadline = tokio::time::Instant::now() + self.wait_bound();
-                loop {
-                    let freed = self.freed.notified();
-                    if let Some(permit) = self.try_admit() {
-                        break Some(permit);
-                    }
-                    if tokio::time::timeout_at(deadline, freed).await.is_err() {
-                        break self.try_admit();
-                    }
+                // A wait that runs out as its place comes leaves the place
+                // to the next waiter: the semaphore takes it back.
+                let place = self.places.clone().acquire_owned();
+                match tokio::time::timeout_at(deadline, place).await {
+                    Ok(Ok(place)) => Some(self.admitted(place)),
+                    // Out of time (the semaphore is never closed).
+                    Ok(Err(_)) | Err(_) => None,
                 }
             }
         };
@@ -137,24 +145,16 @@ impl Admission {
         permit
     }
 
-    /// A permit for a waiter if fewer requests than the limit are running.
-    fn try_admit(self: &Arc<Self>) -> Option<Permit> {
+    fn admitted(self: &Arc<Self>, place: OwnedSemaphorePermit) -> Permit {
         let mut state = self.lock();
-        self.take_place(&mut state)
-    }
-
-    /// A permit if fewer requests than the limit are running.
-    fn take_place(self: &Arc<Self>, state: &mut State) -> Option<Permit> {
-        if state.in_flight as f64 >= state.limit.floor() {
-            return None;
-        }
         state.in_flight += 1;
         let busy = state.in_flight as f64 * 2.0 >= state.limit;
-        Some(Permit {
+        Permit {
             admission: self.clone(),
+            place: Some(place),
             started: Instant::now(),
             busy,
-        })
+        }
     }
 
     /// How long a request may wait in the queue now.
@@ -170,7 +170,10 @@ impl Admission {
         self.lock().limit.floor() as usize
     }
 
-    fn release(&self, took: Duration, busy: bool, now: Instant) {
+    /// Adapts the limit to a request that took `took`, and moves the
+    /// places with it; `true` when the place being given back is to be
+    /// forgotten, because the limit fell while it was in use.
+    fn release(&self, took: Duration, busy: bool, now: Instant) -> bool {
         let mut state = self.lock();
         state.in_flight = state.in_flight.saturating_sub(1);
         let before = state.limit;
@@ -189,15 +192,27 @@ impl Admission {
             state.limit = (state.limit + 1.0 / state.limit).min(self.config.max as f64);
         }
         let after = state.limit;
-        drop(state);
-        self.freed.notify_one();
-        if after.floor() > before.floor() {
-            // A place more than the one given back: a waiter more may go.
-            self.freed.notify_one();
+        let (had, has) = (before.floor() as usize, after.floor() as usize);
+        if has > had {
+            let paid = (has - had).min(state.owed);
+            state.owed -= paid;
+            self.places.add_permits(has - had - paid);
+        } else {
+            state.owed += had - has;
         }
-        if after.floor() != before.floor() {
+        // Free places go first (there are none while anyone waits), then
+        // this one.
+        let free = self.places.forget_permits(state.owed);
+        state.owed -= free;
+        let forget = state.owed > 0;
+        if forget {
+            state.owed -= 1;
+        }
+        drop(state);
+        if has != had {
             self.export(after);
         }
+        forget
     }
 
     fn export(&self, limit: f64) {
@@ -223,8 +238,16 @@ impl Drop for Queued<'_> {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.admission
+        let forget = self
+            .admission
             .release(self.started.elapsed(), self.busy, Instant::now());
+        if let Some(place) = self.place.take() {
+            if forget {
+                place.forget();
+            }
+            // Otherwise dropped here: back to the semaphore, which gives it
+            // to the longest waiter.
+        }
     }
 }
 
@@ -333,7 +356,7 @@ mod tests {
             tokio::task::yield_now().await;
         }
         drop(running);
-        // The waiter has been told but has not run yet (one thread).
+        // The place is the waiter's, though it has not run yet (one thread).
         assert!(
             a.admit().await.is_none(),
             "a newcomer does not jump the queue"
@@ -344,6 +367,90 @@ mod tests {
             a.admit().await.is_none(),
             "the place is the waiter's while it runs"
         );
+    }
+
+    /// With room left in the queue, a newcomer queues behind the waiter a
+    /// place was freed for, rather than taking it on its way in.
+    #[tokio::test]
+    async fn places_go_to_waiters_in_the_order_they_came() {
+        use futures::FutureExt as _;
+        let a = admission(2, 2);
+        let mut running = Vec::new();
+        for _ in 0..2 {
+            running.extend(a.admit().await);
+        }
+        let first = tokio::spawn(wait(a.clone()));
+        while a.lock().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+        drop(running.pop());
+        assert!(
+            a.admit().now_or_never().is_none(),
+            "the newcomer waits: the freed place is the first waiter's"
+        );
+        let first = first.await.ok().flatten();
+        assert!(first.is_some(), "the first waiter got it");
+    }
+
+    /// Places given back together go to as many waiters: none is lost
+    /// between a waiter's last look and its wait.
+    #[tokio::test]
+    async fn places_freed_at_once_admit_as_many_waiters() {
+        let a = admission(3, 3);
+        let mut running = Vec::new();
+        for _ in 0..3 {
+            running.extend(a.admit().await);
+        }
+        let waiters: Vec<_> = (0..3).map(|_| tokio::spawn(wait(a.clone()))).collect();
+        while a.lock().waiting < 3 {
+            tokio::task::yield_now().await;
+        }
+        running.clear();
+        let mut admitted = Vec::new();
+        for w in waiters {
+            admitted.extend(w.await.ok().flatten());
+        }
+        assert_eq!(admitted.len(), 3, "three places freed, three admitted");
+    }
+
+    /// A limit cut while its places are in use takes them back as they are
+    /// given back; a limit that grows again gets them back first.
+    #[test]
+    fn places_follow_the_limit_down_and_up() {
+        let a = admission(1, 4);
+        let free = |a: &Admission| a.places.available_permits();
+        assert_eq!(free(&a), 4);
+        let mut permits = Vec::new();
+        for _ in 0..4 {
+            let place = a.places.clone().try_acquire_owned();
+            permits.extend(place.ok().map(|p| a.admitted(p)));
+        }
+        assert_eq!(permits.len(), 4);
+        // Slow answers: the limit is cut once from 4 (to 3.6, so 3 places).
+        let t0 = Instant::now();
+        a.lock().average = 1.0;
+        for p in &mut permits {
+            p.started = Instant::now() - Duration::from_secs(1);
+        }
+        drop(permits.pop());
+        assert_eq!(a.limit(), 3);
+        assert_eq!(free(&a), 0, "the place given back went with the cut");
+        drop(permits.pop());
+        assert_eq!(free(&a), 1, "the next one is free again");
+        // Fast answers while busy grow the limit back to 4.
+        a.lock().average = 0.0;
+        for _ in 0..40 {
+            a.lock().in_flight += 1;
+            let _ = a.release(Duration::ZERO, true, t0);
+        }
+        assert_eq!(a.limit(), 4);
+        assert_eq!(free(&a), 2, "one place back for the limit's growth");
+        // Fast, so no cut moves the places while the last two go back.
+        for p in &mut permits {
+            p.started = Instant::now();
+        }
+        drop(permits);
+        assert_eq!(free(&a), 4);
     }
 
     async fn wait(a: Arc<Admission>) -> Option<Permit> {
