@@ -19,8 +19,11 @@
 //! tally's, on CPU 0, the generators and this process on CPU 1, so that no
 //! generator takes CPU from the service it measures), TALLY_HTTP_OVERLOAD=1
 //! (only this: the capacity of a closed loop of votes, then open loops at
-//! 0.5x, 1x, 3x and 10x of it, adaptive admission and the fixed ceiling,
-//! each step started with the consumer caught up; http-overload.json),
+//! 0.5x, 1x, 3x and 10x of it, or the multiples TALLY_HTTP_OVERLOAD_TIMES
+//! lists (the first the unloaded reference), adaptive admission and the
+//! fixed ceiling, each step started with the consumer caught up; every step
+//! also counts the connection attempts the machine's listeners dropped;
+//! http-overload.json),
 //! TALLY_HTTP_QUICK=1 (only the closed
 //! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
 //! `tally vote` during closed loops of votes and of pages of their own, after
@@ -116,10 +119,14 @@ struct Step {
     /// The load generator's own CPU time per request sent, in microseconds:
     /// on shared cores, what it takes from the servers.
     generator_cpu_us: f64,
+    /// Connection attempts the machine's listeners dropped during the step
+    /// (see `support::listen_drops`).
+    listen_drops: u64,
 }
 
 /// CPU time of `tally vote`, of Cassandra, of the machine and of the
-/// generators at one moment, to subtract from a later one.
+/// generators at one moment, to subtract from a later one; and the
+/// connection attempts dropped so far.
 #[derive(Clone, Copy)]
 struct CpuMark {
     pid: u32,
@@ -128,6 +135,7 @@ struct CpuMark {
     machine: u64,
     own: u64,
     children: u64,
+    listen_drops: u64,
 }
 
 /// CPU time used since a mark, in microseconds.
@@ -140,6 +148,7 @@ struct CpuUsed {
     own: u64,
     /// The children this process waited for since: vegeta's and wrk's.
     children: u64,
+    listen_drops: u64,
 }
 
 impl CpuMark {
@@ -151,6 +160,7 @@ impl CpuMark {
             machine: machine_cpu_micros(),
             own: cpu_micros(std::process::id()),
             children: waited_children_cpu_micros(),
+            listen_drops: support::listen_drops(),
         }
     }
 
@@ -161,6 +171,7 @@ impl CpuMark {
             machine: machine_cpu_micros().saturating_sub(self.machine),
             own: cpu_micros(std::process::id()).saturating_sub(self.own),
             children: waited_children_cpu_micros().saturating_sub(self.children),
+            listen_drops: support::listen_drops().saturating_sub(self.listen_drops),
         }
     }
 }
@@ -423,6 +434,21 @@ impl Overload<'_> {
     }
 }
 
+/// The multiples of the capacity the overload mode offers:
+/// TALLY_HTTP_OVERLOAD_TIMES (comma-separated, the first the unloaded
+/// reference), else 0.5, 1, 3 and 10.
+fn overload_times() -> Vec<f64> {
+    let given = std::env::var("TALLY_HTTP_OVERLOAD_TIMES").ok().map(|v| {
+        v.split(',')
+            .map(|t| match t.trim().parse::<f64>() {
+                Ok(t) if t > 0.0 => t,
+                _ => panic!("TALLY_HTTP_OVERLOAD_TIMES: {t:?} is not a positive number"),
+            })
+            .collect::<Vec<_>>()
+    });
+    given.unwrap_or_else(|| vec![0.5, 1.0, 3.0, 10.0])
+}
+
 /// Only the overload table (TALLY_HTTP_OVERLOAD=1): a closed loop of votes
 /// for the capacity, then open loops at 0.5x (the unloaded reference for
 /// latency), 1x, 3x and 10x of it, with adaptive admission and with the fixed
@@ -436,7 +462,7 @@ async fn overload() {
     let tokens = tokens("u", 0..VOTERS);
     let mut consumer = spawn_consumer(&env, &group);
     let mut rng = Zipf::new(1, 1.0, 42);
-    let times = [0.5, 1.0, 3.0, 10.0];
+    let times = overload_times();
 
     let api = Api::spawn(&env, &group, None).await;
     // A fresh keyspace, a new process and maybe a cold JVM: the first loop
@@ -490,14 +516,16 @@ async fn overload() {
         ("fixed ceiling (before)", &before),
     ] {
         steps_table(&mut md, name, steps);
-        // The unloaded reference: the step at half the capacity.
+        // The unloaded reference: the first step (half the capacity, unless
+        // TALLY_HTTP_OVERLOAD_TIMES says otherwise).
         let unloaded = steps.first().map_or(1.0, |s| s.ok_ms.p99.max(1e-9));
         for (t, s) in times.iter().zip(steps).skip(1) {
             let _ = writeln!(
                 md,
-                "- {name}, {t}x: goodput {:.2}x the capacity, admitted p99 {:.2}x the p99 at 0.5x, {} refused (p99 {:.1} ms), {} other errors",
+                "- {name}, {t}x: goodput {:.2}x the capacity, admitted p99 {:.2}x the p99 at {}x, {} refused (p99 {:.1} ms), {} other errors",
                 s.goodput / overload.capacity,
                 s.ok_ms.p99 / unloaded,
+                times[0],
                 s.refused,
                 s.refused_ms.p99,
                 s.errors
@@ -810,19 +838,21 @@ async fn against(other: PathBuf) {
     }
     if !overloads.is_empty() {
         println!(
-            "\n| build | round | offered | votes/s | ok p99 ms | refused | refusal p99 ms | other errors |"
+            "\n| build | round | offered | sent | votes/s | ok p99 ms | refused | refusal p99 ms | other errors | dropped connection attempts |"
         );
-        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for (b, round, times, s) in &overloads {
             println!(
-                "| {} | {round} | {times}x, {:.0}/s | {:.0} | {:.1} | {} | {:.1} | {} |",
+                "| {} | {round} | {times}x, {:.0}/s | {} | {:.0} | {:.1} | {} | {:.1} | {} | {} |",
                 builds[*b].0,
                 s.offered.unwrap_or_default(),
+                s.sent,
                 s.goodput,
                 s.ok_ms.p99,
                 s.refused,
                 s.refused_ms.p99,
-                s.errors
+                s.errors,
+                s.listen_drops
             );
         }
     }
@@ -1198,6 +1228,7 @@ impl Vegeta {
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
             machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
             generator_cpu_us: cpu.children as f64 / sent.max(1) as f64,
+            listen_drops: cpu.listen_drops,
         }
     }
 }
@@ -1357,6 +1388,7 @@ impl Wrk {
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1.0),
             machine_cpu_us: cpu.machine as f64 / sent.max(1.0),
             generator_cpu_us: cpu.children as f64 / sent.max(1.0),
+            listen_drops: cpu.listen_drops,
         }
     }
 }
@@ -1479,6 +1511,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
         machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
         generator_cpu_us: cpu.own as f64 / sent.max(1) as f64,
+        listen_drops: cpu.listen_drops,
     }
 }
 
@@ -1605,16 +1638,16 @@ fn report(r: &Results) {
 fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
     let _ = writeln!(
         md,
-        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | tally CPU/request | generator CPU/request |"
+        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | dropped connection attempts | tally CPU/request | generator CPU/request |"
     );
     let _ = writeln!(
         md,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for s in steps {
         let _ = writeln!(
             md,
-            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {:.0} µs | {:.0} µs |",
+            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs |",
             s.offered.unwrap_or_default(),
             s.sent,
             s.goodput,
@@ -1624,6 +1657,7 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
             s.refused_ms.p50,
             s.refused_ms.p99,
             s.errors,
+            s.listen_drops,
             s.server_cpu_us,
             s.generator_cpu_us
         );

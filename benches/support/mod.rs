@@ -763,6 +763,29 @@ const DAEMON: &[u8] = b"org.apache.cassandra.service.CassandraDaemon";
 /// The busy CPU time of the whole machine so far (user, nice, system, irq
 /// and softirq of every CPU, from /proc/stat; not idle, iowait or time a
 /// hypervisor took), in microseconds.
+/// Connection attempts the machine's listeners dropped since boot: the
+/// kernel's `TcpExt: ListenDrops` (`/proc/net/netstat`), which counts a
+/// full accept queue (`ListenOverflows`) and every other refusal of a
+/// listener. A client whose SYN is dropped sends it again 1 s later, then
+/// 3 s, then 7 s, so a handful of these add seconds to requests the server
+/// never saw.
+pub fn listen_drops() -> u64 {
+    let Ok(netstat) = std::fs::read_to_string("/proc/net/netstat") else {
+        return 0;
+    };
+    // Two lines per group: the names, then the values.
+    let mut lines = netstat.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+        return 0;
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(name, _)| *name == "ListenDrops")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0)
+}
+
 pub fn machine_cpu_micros() -> u64 {
     let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
         return 0;
