@@ -273,10 +273,7 @@ mod tests {
     #[tokio::test]
     async fn admits_to_the_limit_queues_as_many_and_refuses_the_rest() {
         let a = admission(2, 2);
-        let mut running: Vec<Permit> = Vec::new();
-        for _ in 0..2 {
-            running.extend(a.admit().await);
-        }
+        let mut running = fill(&a, 2).await;
         assert_eq!(running.len(), 2);
         let (first, second) = (tokio::spawn(wait(a.clone())), tokio::spawn(wait(a.clone())));
         tokio::task::yield_now().await;
@@ -352,9 +349,7 @@ mod tests {
         let running = a.admit().await;
         assert!(running.is_some());
         let waiter = tokio::spawn(wait(a.clone()));
-        while a.lock().waiting == 0 {
-            tokio::task::yield_now().await;
-        }
+        until_waiting(&a, 1).await;
         drop(running);
         // The place is the waiter's, though it has not run yet (one thread).
         assert!(
@@ -375,14 +370,9 @@ mod tests {
     async fn places_go_to_waiters_in_the_order_they_came() {
         use futures::FutureExt as _;
         let a = admission(2, 2);
-        let mut running = Vec::new();
-        for _ in 0..2 {
-            running.extend(a.admit().await);
-        }
+        let mut running = fill(&a, 2).await;
         let first = tokio::spawn(wait(a.clone()));
-        while a.lock().waiting == 0 {
-            tokio::task::yield_now().await;
-        }
+        until_waiting(&a, 1).await;
         drop(running.pop());
         assert!(
             a.admit().now_or_never().is_none(),
@@ -397,14 +387,9 @@ mod tests {
     #[tokio::test]
     async fn places_freed_at_once_admit_as_many_waiters() {
         let a = admission(3, 3);
-        let mut running = Vec::new();
-        for _ in 0..3 {
-            running.extend(a.admit().await);
-        }
+        let mut running = fill(&a, 3).await;
         let waiters: Vec<_> = (0..3).map(|_| tokio::spawn(wait(a.clone()))).collect();
-        while a.lock().waiting < 3 {
-            tokio::task::yield_now().await;
-        }
+        until_waiting(&a, 3).await;
         running.clear();
         let mut admitted = Vec::new();
         for w in waiters {
@@ -455,6 +440,22 @@ mod tests {
 
     async fn wait(a: Arc<Admission>) -> Option<Permit> {
         a.admit().await
+    }
+
+    /// The permits of up to `n` requests admitted one after another.
+    async fn fill(a: &Arc<Admission>, n: usize) -> Vec<Permit> {
+        let mut running = Vec::new();
+        for _ in 0..n {
+            running.extend(a.admit().await);
+        }
+        running
+    }
+
+    /// Yields until `n` requests wait in the queue.
+    async fn until_waiting(a: &Admission, n: usize) {
+        while a.lock().waiting < n {
+            tokio::task::yield_now().await;
+        }
     }
 
     #[test]
