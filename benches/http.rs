@@ -637,9 +637,14 @@ fn pin(pid: u32, cpus: &str) -> bool {
 
 /// A tally process's command: on CPU 0 when the machine is split.
 fn server(bin: &Path) -> Command {
-    if pinned() {
+    on_cpu(bin, "0", pinned())
+}
+
+/// `bin`'s command, started on `cpu` only when `pinned`.
+fn on_cpu(bin: &Path, cpu: &str, pinned: bool) -> Command {
+    if pinned {
         let mut c = Command::new("taskset");
-        c.args(["-c", "0"]).arg(bin);
+        c.args(["-c", cpu]).arg(bin);
         c
     } else {
         Command::new(bin)
@@ -1247,13 +1252,7 @@ fn bench_tool(name: &str) -> PathBuf {
 /// A generator's command, on CPU 1 only when `pinned` (TALLY_HTTP_PIN=1;
 /// this process is there too then, so this only says so).
 fn generator(bin: &Path, pinned: bool) -> Command {
-    if pinned {
-        let mut c = Command::new("taskset");
-        c.args(["-c", "1"]).arg(bin);
-        c
-    } else {
-        Command::new(bin)
-    }
+    on_cpu(bin, "1", pinned)
 }
 
 /// Writes `count` of vegeta's JSON targets, one a line.
