@@ -119,6 +119,10 @@ struct Step {
     /// The load generator's own CPU time per request sent, in microseconds:
     /// on shared cores, what it takes from the servers.
     generator_cpu_us: f64,
+    /// How much of one core the load generator was busy over the step, 0 to
+    /// 1 (more with the machine not split): near 1 on its own core, the
+    /// step measures the generator as much as the service.
+    generator_core: f64,
     /// Connection attempts the machine's listeners dropped during the step
     /// (see `support::listen_drops`).
     listen_drops: u64,
@@ -522,13 +526,18 @@ async fn overload() {
         for (t, s) in times.iter().zip(steps).skip(1) {
             let _ = writeln!(
                 md,
-                "- {name}, {t}x: goodput {:.2}x the capacity, admitted p99 {:.2}x the p99 at {}x, {} refused (p99 {:.1} ms), {} other errors",
+                "- {name}, {t}x: goodput {:.2}x the capacity, admitted p99 {:.2}x the p99 at {}x, {} refused (p99 {:.1} ms), {} other errors{}",
                 s.goodput / overload.capacity,
                 s.ok_ms.p99 / unloaded,
                 times[0],
                 s.refused,
                 s.refused_ms.p99,
-                s.errors
+                s.errors,
+                if saturated(s) {
+                    "; the generator was saturated, so this step measures it as much as the service"
+                } else {
+                    ""
+                }
             );
         }
         md.push('\n');
@@ -990,10 +999,13 @@ impl Api {
                 .env("TALLY_USER_READ_BURST", "10000");
         }
         if let Some(target) = admission_target {
+            // The fixed ceiling of before: a limit that never moves, and
+            // refusals answered as fast as they come.
             cmd.env(
                 "TALLY_ADMISSION_TARGET",
                 humantime::format_duration(target).to_string(),
-            );
+            )
+            .env("TALLY_ADMISSION_REFUSAL_RATIO", "0");
         }
         stores_env(&mut cmd, env);
         let mut child = cmd
@@ -1187,7 +1199,7 @@ impl Vegeta {
 
     /// Sorts vegeta's results by outcome, from its CSV encoding:
     /// timestamp, status code, latency in ns, then fields not used here.
-    fn read(&self, results: &Path, load: Load, secs: f64, _wall: f64, cpu: CpuUsed) -> Step {
+    fn read(&self, results: &Path, load: Load, secs: f64, wall: f64, cpu: CpuUsed) -> Step {
         let out = Command::new(&self.bin)
             .args(["encode", "-to", "csv"])
             .stdin(std::fs::File::open(results).unwrap_or_else(|e| panic!("{e}")))
@@ -1233,6 +1245,7 @@ impl Vegeta {
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
             machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
             generator_cpu_us: cpu.children as f64 / sent.max(1) as f64,
+            generator_core: cpu.children as f64 / 1e6 / wall.max(1e-9),
             listen_drops: cpu.listen_drops,
         }
     }
@@ -1387,6 +1400,7 @@ impl Wrk {
             cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1.0),
             machine_cpu_us: cpu.machine as f64 / sent.max(1.0),
             generator_cpu_us: cpu.children as f64 / sent.max(1.0),
+            generator_core: cpu.children as f64 / 1e6 / seconds.max(1e-9),
             listen_drops: cpu.listen_drops,
         }
     }
@@ -1510,6 +1524,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         cassandra_cpu_us: cpu.cassandra as f64 / sent.max(1) as f64,
         machine_cpu_us: cpu.machine as f64 / sent.max(1) as f64,
         generator_cpu_us: cpu.own as f64 / sent.max(1) as f64,
+        generator_core: cpu.own as f64 / 1e6 / secs as f64,
         listen_drops: cpu.listen_drops,
     }
 }
@@ -1637,16 +1652,16 @@ fn report(r: &Results) {
 fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
     let _ = writeln!(
         md,
-        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | dropped connection attempts | tally CPU/request | generator CPU/request |"
+        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | dropped connection attempts | tally CPU/request | generator CPU/request | generator's core busy |"
     );
     let _ = writeln!(
         md,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for s in steps {
         let _ = writeln!(
             md,
-            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs |",
+            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs | {:.0}%{} |",
             s.offered.unwrap_or_default(),
             s.sent,
             s.goodput,
@@ -1658,9 +1673,18 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
             s.errors,
             s.listen_drops,
             s.server_cpu_us,
-            s.generator_cpu_us
+            s.generator_cpu_us,
+            s.generator_core * 100.0,
+            if saturated(s) { " (saturated)" } else { "" }
         );
     }
+}
+
+/// A step whose generator was busy for 90% of a core or more: pinned to one
+/// core, it could not send at its rate, and what the step shows is the
+/// generator's limit as much as the service's.
+fn saturated(s: &Step) -> bool {
+    pinned() && s.generator_core >= 0.9
 }
 
 /// The must-show ratios of the closed loops, each generator's in turn.

@@ -53,6 +53,8 @@ pub const HTTP_RESPONSES: &str = "tally_http_responses_total";
 pub const ADMISSION_LIMIT: &str = "tally_admission_limit";
 /// Requests refused by admission (503), by kind.
 pub const ADMISSION_REFUSED: &str = "tally_admission_refused_total";
+/// Refusals that waited their turn (`--admission-refusal-ratio`), by kind.
+pub const ADMISSION_PACED: &str = "tally_admission_refusals_paced_total";
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -177,6 +179,10 @@ fn describe() {
     describe_counter!(
         ADMISSION_REFUSED,
         "requests refused with 503 because the admission limit was reached, by kind"
+    );
+    describe_counter!(
+        ADMISSION_PACED,
+        "refusals answered late because refusals outran the admitted requests completed, by kind"
     );
     describe_counter!(
         UNKNOWN_RESOLVED,

@@ -8,15 +8,28 @@
 # Runs BINARY as `tally vote` on 127.0.0.1:18080 over its own keyspace,
 # topics and Redis prefix (wrkbench), with per-user limits out of the way,
 # warms it up for 3 s, then measures. The stack must be up.
+#
+# TALLY_WRK_PIN=1 splits the machine as `TALLY_HTTP_PIN=1` does for the http
+# bench: the stack's servers and tally on CPU 0, wrk on CPU 1, put back when
+# the script ends. Without it a storm of connections takes its CPU from the
+# service it measures. Any other TALLY_* setting in the environment (say
+# TALLY_ADMISSION_REFUSAL_RATIO=0) reaches `tally vote`.
 set -euo pipefail
 BIN=$1; KIND=$2; SECS=${3:-10}; CONNS=${4:-32}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$HERE/env.sh"
-"$BIN" vote 2>"$STATE/vote.log" &
+SERVER=(); CLIENT=()
+if [ "${TALLY_WRK_PIN:-}" = 1 ]; then
+    SERVER=(taskset -c 0); CLIENT=(taskset -c 1)
+    STACK_PIDS=$(cat "$HERE"/../../.stack/run/*.pid 2>/dev/null || true)
+    for p in $STACK_PIDS; do taskset -a -pc 0 "$p" >/dev/null; done
+fi
+unpin() { for p in ${STACK_PIDS:-}; do taskset -a -pc "0-$(( $(nproc) - 1 ))" "$p" >/dev/null 2>&1 || true; done; }
+"${SERVER[@]}" "$BIN" vote 2>"$STATE/vote.log" &
 PID=$!
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; unpin' EXIT
 for _ in $(seq 1 150); do curl -sf http://127.0.0.1:19090/readyz >/dev/null && break; sleep 0.2; done
-wrk -t1 -c"$CONNS" -d3s -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >/dev/null
+"${CLIENT[@]}" wrk -t1 -c"$CONNS" -d3s -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >/dev/null
 cpu() { awk '{print $14 + $15}' "/proc/${1:-$PID}/stat"; }
 # Cassandra's CPU too: on one machine the store's cost per request is what
 # bounds the vote, more than tally's own.
@@ -27,15 +40,17 @@ REDIS=$(cat "$HERE/../../.stack/run/redis.pid" 2>/dev/null || echo $$)
 # shared cores is what bounds a rate.
 busy() { awk '$1 == "cpu" {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
 t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy)
-wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
+"${CLIENT[@]}" wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
 t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy)
 requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
 refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
 ticks=$(getconf CLK_TCK)
-printf '%s %s: %s req/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us, cassandra %s us, redis %s us, machine %s us\n' \
-    "$(basename "$BIN")" "$KIND" "$(awk '/Requests\/sec/ {print $2}' "$STATE/wrk.out")" \
+# Goodput: the answers that were not refusals (or any other non-2xx), a second.
+goodput=$(awk -v r="$requests" -v n="${refused:-0}" '/ requests in / {d = $4; if (d ~ /m,$/) {sub("m,", "", d); d *= 60} else sub("s,", "", d); printf "%.0f", (r - n) / d}' "$STATE/wrk.out")
+printf '%s %s: %s req/s, goodput %s/s, p50 %s, p99 %s, non-2xx %s, tally CPU per request %s us, cassandra %s us, redis %s us, machine %s us\n' \
+    "$(basename "$BIN")" "$KIND" "$(awk '/Requests\/sec/ {print $2}' "$STATE/wrk.out")" "$goodput" \
     "$(awk '$1 == "50%" {print $2}' "$STATE/wrk.out")" "$(awk '$1 == "99%" {print $2}' "$STATE/wrk.out")" \
     "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))" "$(( (c1 - c0) * 1000000 / ticks / requests ))" \
     "$(( (r1 - r0) * 1000000 / ticks / requests ))" "$(( (m1 - m0) * 1000000 / ticks / requests ))"
 # What the API saw: its Paxos outcomes and its admission, to explain a figure.
-curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total)' || true
+curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true

@@ -28,11 +28,18 @@
 //! out their time and be refused late, after holding a connection for up to
 //! four targets; served in turn, the queue moves, the waiters are admitted,
 //! and the excess finds the queue full and is refused at once.
+//!
+//! Refusals are answered at once up to `refusal_ratio` times the rate at
+//! which admitted requests complete, and in turn beyond it (`pacing.rs`):
+//! clients that send again the moment they are refused are slowed to that
+//! rate instead of taking the CPU the admitted work runs on.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::pacing::Pacing;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AdmissionConfig {
@@ -45,6 +52,8 @@ pub struct AdmissionConfig {
     /// The shortest a request may wait for a place before it is refused
     /// (see the module comment for when it waits longer).
     pub queue_wait: Duration,
+    /// Refusals answered at once per admitted request completed (0: all).
+    pub refusal_ratio: f64,
 }
 
 pub struct Admission {
@@ -67,6 +76,7 @@ struct State {
     /// Places the limit lost while they were in use: as many of the next
     /// ones given back are not returned to `places`.
     owed: usize,
+    pacing: Pacing,
 }
 
 /// The weight of the newest answer in the moving average.
@@ -103,6 +113,7 @@ impl Admission {
                 average: 0.0,
                 last_cut: None,
                 owed: 0,
+                pacing: Pacing::new(config.refusal_ratio, Instant::now()),
             }),
         };
         admission.export(config.max as f64);
@@ -141,6 +152,12 @@ impl Admission {
         };
         if permit.is_none() {
             metrics::counter!(crate::metrics::ADMISSION_REFUSED, "kind" => self.kind).increment(1);
+            let turn = self.lock().pacing.refusal(Instant::now());
+            if !turn.is_zero() {
+                metrics::counter!(crate::metrics::ADMISSION_PACED, "kind" => self.kind)
+                    .increment(1);
+                tokio::time::sleep(turn).await;
+            }
         }
         permit
     }
@@ -176,6 +193,7 @@ impl Admission {
     fn release(&self, took: Duration, busy: bool, now: Instant) -> bool {
         let mut state = self.lock();
         state.in_flight = state.in_flight.saturating_sub(1);
+        state.pacing.completed(now);
         let before = state.limit;
         state.average += (took.as_secs_f64() - state.average) * WEIGHT;
         if state.average > self.config.target.as_secs_f64() {
@@ -263,6 +281,7 @@ mod tests {
                 min,
                 max,
                 queue_wait: Duration::from_millis(50),
+                refusal_ratio: 0.0,
             },
         )
     }
@@ -324,6 +343,7 @@ mod tests {
                 min: 1,
                 max: 1,
                 queue_wait: Duration::from_millis(50),
+                refusal_ratio: 0.0,
             },
         );
         a.lock().average = 0.5;

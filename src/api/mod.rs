@@ -8,6 +8,7 @@ pub mod demo;
 pub mod error;
 pub mod limit;
 pub mod openapi;
+mod pacing;
 pub mod summary;
 pub mod targets;
 pub mod votes;
@@ -135,6 +136,16 @@ pub struct ApiConfig {
     #[arg(long = "admission-queue-wait", env = "TALLY_ADMISSION_QUEUE_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub admission_queue_wait: Duration,
 
+    /// Refusals (503) of a kind answered at once per request of that kind
+    /// completed (in the busiest of the last five seconds); beyond that rate
+    /// each refusal waits its turn, at most a second, so clients that send
+    /// again the moment they are refused cannot take the stores' CPU with
+    /// refusals. An open loop at ten times the capacity needs about 10 when
+    /// goodput holds; 20 leaves room for it to dip. 0 answers every refusal
+    /// at once.
+    #[arg(long = "admission-refusal-ratio", env = "TALLY_ADMISSION_REFUSAL_RATIO", default_value_t = 20.0, value_parser = non_negative)]
+    pub admission_refusal_ratio: f64,
+
     /// Requests slower than this are logged at WARN, whatever the filter.
     #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub slow_request: Duration,
@@ -164,6 +175,14 @@ pub struct ApiConfig {
     pub cache_ttl: TtlPolicy,
     #[command(flatten)]
     pub stores: Stores,
+}
+
+/// A finite number, zero or more.
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 0.0 => Ok(n),
+        _ => Err(format!("expected a number of 0 or more, not {s:?}")),
+    }
 }
 
 /// One HTTP worker's clients of Cassandra and Redis. Each actix worker
@@ -323,6 +342,7 @@ impl Application {
             min: config.min_in_flight,
             max: config.max_in_flight,
             queue_wait: config.admission_queue_wait,
+            refusal_ratio: config.admission_refusal_ratio,
         };
         let templates = Templates {
             caster: Arc::new(caster),

@@ -587,6 +587,85 @@ async fn votes_above_the_admission_limit_get_503_with_retry_after_and_change_not
     Ok(())
 }
 
+/// Clients that vote again the moment they are refused (a closed loop that
+/// ignores Retry-After) are refused at a rate paced to the votes admitted,
+/// not as fast as the server can answer: the same storm with pacing off
+/// (`--admission-refusal-ratio 0`) draws many times more refusals.
+#[tokio::test]
+async fn a_storm_that_ignores_retry_after_is_refused_at_a_pace_set_by_the_admitted_votes()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let storm = |ratio: f64| tally::api::ApiConfig {
+        max_in_flight: 2,
+        min_in_flight: 2,
+        admission_refusal_ratio: ratio,
+        user_rate: 1_000_000.0,
+        user_burst: 1_000_000,
+        ..env.api_config()
+    };
+    const CLIENTS: usize = 24;
+    let secs = 3.0;
+    let paced = closed_loop_storm(&env.spawn_app_with(storm(2.0)).await, CLIENTS, secs).await?;
+    let unpaced = closed_loop_storm(&env.spawn_app_with(storm(0.0)).await, CLIENTS, secs).await?;
+
+    // Paced: at most the ratio times the votes completed each second (never
+    // fewer than the floor's 50), twice over for the burst (a second's
+    // worth) and for the rate being the busiest recent second's, and one
+    // more a client for those in flight.
+    let bound = 2.0 * 2.0 * (paced.admitted as f64 + 50.0 * (secs + 1.0)) + CLIENTS as f64;
+    eprintln!(
+        "storm of {CLIENTS} for {secs}s: paced {paced:?}, unpaced {unpaced:?}, bound {bound:.0}"
+    );
+    assert!(paced.admitted > 0, "{paced:?}");
+    assert!(
+        (paced.refused as f64) <= bound,
+        "paced: {paced:?}, at most {bound:.0} refusals"
+    );
+    assert!(
+        unpaced.refused as f64 > 2.0 * bound,
+        "unpaced: {unpaced:?}, against a paced bound of {bound:.0}: the storm did not storm"
+    );
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct Storm {
+    admitted: u64,
+    refused: u64,
+}
+
+/// `clients` closed loops of likes, each on a target of its own, for `secs`.
+async fn closed_loop_storm(app: &TestApp, clients: usize, secs: f64) -> anyhow::Result<Storm> {
+    let until = tokio::time::Instant::now() + Duration::from_secs_f64(secs);
+    let loops = (0..clients).map(|c| async move {
+        let mut seen = Storm::default();
+        let mut n = 0u64;
+        while tokio::time::Instant::now() < until {
+            n += 1;
+            let reply = app
+                .vote(
+                    &format!("storm{c}"),
+                    new_key(),
+                    &format!("video_storm_{c}_{n}"),
+                    "like",
+                )
+                .await;
+            match reply.status {
+                200 => seen.admitted += 1,
+                503 => seen.refused += 1,
+                other => anyhow::bail!("storm{c}: {other} {}", reply.body),
+            }
+        }
+        Ok(seen)
+    });
+    let mut total = Storm::default();
+    for seen in futures::future::try_join_all(loops).await? {
+        total.admitted += seen.admitted;
+        total.refused += seen.refused;
+    }
+    Ok(total)
+}
+
 #[tokio::test]
 async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() -> TestResult {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
