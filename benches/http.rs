@@ -22,7 +22,10 @@
 //! 0.5x, 1x, 3x and 10x of it, or the multiples TALLY_HTTP_OVERLOAD_TIMES
 //! lists (the first the unloaded reference), adaptive admission and the
 //! fixed ceiling, each step started with the consumer caught up; every step
-//! also counts the connection attempts the machine's listeners dropped;
+//! also counts the connection attempts the machine's listeners dropped and
+//! how busy the generator's core was; then a retry storm of wrk's, 1,500
+//! connections that vote again the moment they are answered, against
+//! adaptive admission with refusals paced and not, and the fixed ceiling;
 //! http-overload.json),
 //! TALLY_HTTP_QUICK=1 (only the closed
 //! loops of the API: to try one setting against another), TALLY_HTTP_PROFILE=1 (`perf record` of
@@ -224,7 +227,7 @@ async fn run() -> Results {
 
     let tokens = tokens("u", 0..VOTERS);
     let mut consumer = spawn_consumer(&env, &group);
-    let mut api = Api::spawn(&env, &group, None).await;
+    let mut api = Api::spawn(&env, &group, Admission::Adaptive).await;
 
     eprintln!("http: /healthz, closed loop, 64 in flight, {secs}s");
     results.healthz =
@@ -420,6 +423,38 @@ impl Overload<'_> {
         steps
     }
 
+    /// A retry storm against each admission in turn, each API started
+    /// afresh with the consumer caught up: `STORM` connections of wrk that
+    /// vote again the moment they are answered, refused or not.
+    async fn storms(&self, wrk: &Wrk) -> Vec<(&'static str, Step)> {
+        let mut storms = Vec::new();
+        for (name, admission) in [
+            ("adaptive, refusals paced", Admission::Adaptive),
+            ("adaptive, refusals not paced", Admission::Unpaced),
+            ("fixed ceiling (before)", Admission::FixedCeiling),
+        ] {
+            let mut api = Api::spawn(self.env, self.group, admission).await;
+            if drained(&self.env.kafka, self.group, Duration::from_secs(120))
+                .await
+                .is_none()
+            {
+                eprintln!(
+                    "http: the consumer did not catch up within 120 s; the storm runs anyway"
+                );
+            }
+            eprintln!(
+                "http: votes, a storm of {STORM} connections (wrk), {name}, {}s",
+                self.secs
+            );
+            storms.push((
+                name,
+                wrk.closed(&api, Wrk::VOTES, &wrk.voters, STORM, self.secs),
+            ));
+            api.stop();
+        }
+        storms
+    }
+
     /// The steps against `api` (adaptive admission), which then stops, and
     /// again against an API whose admission never adapts, so it admits up
     /// to the fixed ceiling: the behaviour before.
@@ -431,12 +466,16 @@ impl Overload<'_> {
     ) -> (Vec<Step>, Vec<Step>) {
         let after = self.steps(&api, rng, times, "adaptive admission").await;
         api.stop();
-        let mut api = Api::spawn(self.env, self.group, Some(Duration::from_secs(3600))).await;
+        let mut api = Api::spawn(self.env, self.group, Admission::FixedCeiling).await;
         let before = self.steps(&api, rng, times, "fixed ceiling").await;
         api.stop();
         (after, before)
     }
 }
+
+/// Connections of the overload mode's retry storm: the size of the storm
+/// the issue that asked for admission measured.
+const STORM: u64 = 1_500;
 
 /// The multiples of the capacity the overload mode offers:
 /// TALLY_HTTP_OVERLOAD_TIMES (comma-separated, the first the unloaded
@@ -468,7 +507,7 @@ async fn overload() {
     let mut rng = Zipf::new(1, 1.0, 42);
     let times = overload_times();
 
-    let api = Api::spawn(&env, &group, None).await;
+    let api = Api::spawn(&env, &group, Admission::Adaptive).await;
     // A fresh keyspace, a new process and maybe a cold JVM: the first loop
     // ran at a tenth of the next one's rate, so it is only a warm-up.
     eprintln!("http: votes, closed loop, 64 in flight, {secs}s (warm-up, not measured)");
@@ -498,6 +537,8 @@ async fn overload() {
         capacity: closed.goodput.max(1.0),
     };
     let (after, before) = overload.after_and_before(api, &mut rng, &times).await;
+    let wrk = Wrk::install(pinned(), &tokens, &dir);
+    let storms = overload.storms(&wrk).await;
     let _ = consumer.kill();
     let _ = consumer.wait();
     env.drop_all().await;
@@ -542,6 +583,7 @@ async fn overload() {
         }
         md.push('\n');
     }
+    storms_table(&mut md, &storms, overload.capacity);
     println!("{md}");
     let json = serde_json::json!({
         "commit": git_commit(),
@@ -551,6 +593,8 @@ async fn overload() {
         "times": times,
         "adaptive": after,
         "fixed_ceiling": before,
+        "storm_connections": STORM,
+        "storms": storms.iter().map(|(name, s)| serde_json::json!({"admission": name, "step": s})).collect::<Vec<_>>(),
     });
     write_json(&dir.join("http-overload.json"), &json, "http overload");
     let _ = std::fs::write(dir.join("http-overload.md"), &md);
@@ -673,7 +717,7 @@ async fn flood() {
     let dir = results_dir();
     let tokens = tokens("r", 0..=READERS);
     let (readers, flooder) = tokens.split_at(READERS as usize);
-    let mut api = Api::spawn_with(&env, &group, None, true).await;
+    let mut api = Api::spawn_with(&env, &group, Admission::Adaptive, true).await;
     let mut rng = Zipf::new(1, 1.0, 7);
 
     eprintln!("http flood: {rate}/s pages from {READERS} users, alone, {secs}s");
@@ -776,7 +820,8 @@ async fn against(other: PathBuf) {
     for round in 0..rounds {
         for turn in 0..builds.len() {
             let b = (turn + round as usize) % builds.len();
-            let mut api = Api::spawn_binary(&builds[b].1, &env, &group, None, false).await;
+            let mut api =
+                Api::spawn_binary(&builds[b].1, &env, &group, Admission::Adaptive, false).await;
             eprintln!(
                 "http against: round {round}, {}: votes 64 and pages 32 in flight, {secs}s each",
                 builds[b].0
@@ -923,6 +968,19 @@ fn write_json(path: &Path, json: &serde_json::Value, who: &str) {
     eprintln!("{who}: wrote {}", path.display());
 }
 
+/// How a bench's `tally vote` admits requests.
+#[derive(Clone, Copy)]
+enum Admission {
+    /// As in production: an adaptive limit, refusals paced.
+    Adaptive,
+    /// The adaptive limit, every refusal answered at once
+    /// (`--admission-refusal-ratio 0`).
+    Unpaced,
+    /// The fixed ceiling of before: an admission target no answer reaches,
+    /// so the limit never moves, and refusals answered at once.
+    FixedCeiling,
+}
+
 /// `tally vote` in a process of its own.
 struct Api {
     child: Child,
@@ -931,25 +989,20 @@ struct Api {
 
 impl Api {
     /// The API with production settings, except the per-user rate (the
-    /// generator's users vote faster than people) and, for the "before"
-    /// runs, an admission target no answer reaches.
-    async fn spawn(
-        env: &support::BenchEnv,
-        group: &str,
-        admission_target: Option<Duration>,
-    ) -> Api {
-        Api::spawn_with(env, group, admission_target, false).await
+    /// generator's users vote faster than people) and its admission.
+    async fn spawn(env: &support::BenchEnv, group: &str, admission: Admission) -> Api {
+        Api::spawn_with(env, group, admission, false).await
     }
 
     /// With `read_limits`, summary reads keep the production per-user limit.
     async fn spawn_with(
         env: &support::BenchEnv,
         group: &str,
-        admission_target: Option<Duration>,
+        admission: Admission,
         read_limits: bool,
     ) -> Api {
         let this = Path::new(env!("CARGO_BIN_EXE_tally"));
-        Api::spawn_binary(this, env, group, admission_target, read_limits).await
+        Api::spawn_binary(this, env, group, admission, read_limits).await
     }
 
     /// The same from another binary (`TALLY_HTTP_AGAINST`).
@@ -957,7 +1010,7 @@ impl Api {
         bin: &Path,
         env: &support::BenchEnv,
         group: &str,
-        admission_target: Option<Duration>,
+        admission: Admission,
         read_limits: bool,
     ) -> Api {
         // A port found free may be taken before tally binds it: it comes from
@@ -965,7 +1018,7 @@ impl Api {
         // client connections. A process that exits before it is ready (it
         // could not listen) is started again on other ports.
         for _ in 0..5 {
-            let started = Api::try_spawn(bin, env, group, admission_target, read_limits).await;
+            let started = Api::try_spawn(bin, env, group, admission, read_limits).await;
             if let Some(api) = started {
                 return api;
             }
@@ -978,7 +1031,7 @@ impl Api {
         bin: &Path,
         env: &support::BenchEnv,
         group: &str,
-        admission_target: Option<Duration>,
+        admission: Admission,
         read_limits: bool,
     ) -> Option<Api> {
         let (port, ops_port) = (free_port(), free_port());
@@ -998,14 +1051,15 @@ impl Api {
             cmd.env("TALLY_USER_READ_RATE", "10000")
                 .env("TALLY_USER_READ_BURST", "10000");
         }
-        if let Some(target) = admission_target {
-            // The fixed ceiling of before: a limit that never moves, and
-            // refusals answered as fast as they come.
-            cmd.env(
-                "TALLY_ADMISSION_TARGET",
-                humantime::format_duration(target).to_string(),
-            )
-            .env("TALLY_ADMISSION_REFUSAL_RATIO", "0");
+        match admission {
+            Admission::Adaptive => {}
+            Admission::Unpaced => {
+                cmd.env("TALLY_ADMISSION_REFUSAL_RATIO", "0");
+            }
+            Admission::FixedCeiling => {
+                cmd.env("TALLY_ADMISSION_TARGET", "1h")
+                    .env("TALLY_ADMISSION_REFUSAL_RATIO", "0");
+            }
         }
         stores_env(&mut cmd, env);
         let mut child = cmd
@@ -1678,6 +1732,35 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
             if saturated(s) { " (saturated)" } else { "" }
         );
     }
+}
+
+/// The retry storms: goodput against the capacity, and what every answer
+/// (refusals included: wrk does not tell them apart) took.
+fn storms_table(md: &mut String, storms: &[(&str, Step)], capacity: f64) {
+    let _ = writeln!(
+        md,
+        "| a storm of {STORM} connections (wrk) | answers/s | goodput/s | × capacity | p50 ms | p99 ms | 503s | tally CPU/request | generator's core busy |"
+    );
+    let _ = writeln!(
+        md,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for (name, s) in storms {
+        let _ = writeln!(
+            md,
+            "| {name} | {:.0} | {:.0} | {:.2}x | {:.2} | {:.2} | {} | {:.0} µs | {:.0}%{} |",
+            s.sent as f64 / s.seconds.max(1e-9),
+            s.goodput,
+            s.goodput / capacity,
+            s.ok_ms.p50,
+            s.ok_ms.p99,
+            s.refused,
+            s.server_cpu_us,
+            s.generator_core * 100.0,
+            if saturated(s) { " (saturated)" } else { "" }
+        );
+    }
+    md.push('\n');
 }
 
 /// A step whose generator was busy for 90% of a core or more: pinned to one
