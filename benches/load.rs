@@ -410,7 +410,7 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         body_timeout: Duration::from_secs(5),
         admission_target: Duration::from_secs(60),
         admission_queue_wait: Duration::from_millis(50),
-        admission_refusal_ratio: 20.0,
+        admission_refusal_ratio: 15.0,
         demo: false,
         consumer_group: format!("bench-e2e-{}", std::process::id()),
         relay: tally::relay::RelayConfig {

@@ -137,13 +137,13 @@ pub struct ApiConfig {
     pub admission_queue_wait: Duration,
 
     /// Refusals (503) of a kind answered at once per request of that kind
-    /// completed (in the busiest of the last five seconds); beyond that rate
+    /// completed (on average over the last five seconds); beyond that rate
     /// each refusal waits its turn, at most a second, so clients that send
     /// again the moment they are refused cannot take the stores' CPU with
     /// refusals. An open loop at ten times the capacity needs about 10 when
-    /// goodput holds; 20 leaves room for it to dip. 0 answers every refusal
-    /// at once.
-    #[arg(long = "admission-refusal-ratio", env = "TALLY_ADMISSION_REFUSAL_RATIO", default_value_t = 20.0, value_parser = non_negative)]
+    /// goodput holds; 15 leaves room for goodput to dip by a third. 0
+    /// answers every refusal at once.
+    #[arg(long = "admission-refusal-ratio", env = "TALLY_ADMISSION_REFUSAL_RATIO", default_value_t = 15.0, value_parser = non_negative)]
     pub admission_refusal_ratio: f64,
 
     /// Requests slower than this are logged at WARN, whatever the filter.

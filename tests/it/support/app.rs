@@ -42,7 +42,7 @@ impl TestEnv {
             // its own limit.
             admission_target: Duration::from_secs(60),
             admission_queue_wait: Duration::from_millis(50),
-            admission_refusal_ratio: 20.0,
+            admission_refusal_ratio: 15.0,
             demo: false,
             consumer_group: self.group.clone(),
             // Tests that need the relay turn it on (`with_relay`).
