@@ -278,7 +278,15 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     let env = TestEnv::on_cluster().await;
     let ports = [free_port(), free_port()];
     let ops_ports = [free_port(), free_port()];
+    // Each process's warnings and errors go to a file of its own, read back
+    // only if the totals do not converge: the run's own account of why.
+    let logs = std::env::temp_dir().join(format!("tally-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap_or_else(|e| panic!("{}: {e}", logs.display()));
+    let spawned = std::sync::atomic::AtomicUsize::new(0);
     let spawn = |sub: &str, port: Option<(u16, u16)>| {
+        let n = spawned.fetch_add(1, Ordering::Relaxed);
+        let log = logs.join(format!("{sub}-{n}.log"));
+        let log = std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
         let mut cmd = env.tally();
         cmd.arg(sub)
             .env("TALLY_JWT_SECRET", JWT_SECRET)
@@ -286,8 +294,9 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
             .env("TALLY_CASSANDRA_TIMEOUT_MS", "3000")
             .env("TALLY_CACHE_TTL_MIN", "3s")
             .env("TALLY_CACHE_TTL_MAX", "5s")
+            .env("TALLY_LOG_FORMAT", "json")
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(Stdio::from(log));
         if let Some((port, ops)) = port {
             cmd.env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
                 .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"));
@@ -580,15 +589,20 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     )
     .await;
     let drained = Instant::now();
-    let truth = eventually(
-        "target_stats to equal the recount of reactions, with no reconcile",
-        Duration::from_secs(90),
-        || async {
-            let (truth, stats) = (env.recount().await, env.stats().await);
-            (truth == stats).then_some(truth)
-        },
-    )
-    .await;
+    let truth = loop {
+        let (truth, stats) = (env.recount().await, env.stats().await);
+        if truth == stats {
+            break truth;
+        }
+        if drained.elapsed() > Duration::from_secs(90) {
+            panic!(
+                "timed out after 90s waiting for target_stats to equal the recount of reactions, \
+                 with no reconcile\n{}",
+                why_not_converged(&truth, &stats, &logs)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     let durable_converged_s = drained.elapsed().as_secs_f64();
 
     // --- what users see: the summary, cache included -------------------
@@ -774,4 +788,60 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
         "a quorum back within the deadline: every CAS timeout resolved by the SERIAL read: {report}"
     );
     drop(consumers);
+}
+
+/// What differs between the recount and `target_stats`, target by target,
+/// and the last warnings and errors the run's processes wrote (dead letters,
+/// parked buckets, the relay's failures): enough to tell a lost publish from
+/// a parked bucket or a double count without running it again.
+fn why_not_converged(
+    truth: &std::collections::BTreeMap<String, support::Tally>,
+    stats: &std::collections::BTreeMap<String, support::Tally>,
+    logs: &std::path::Path,
+) -> String {
+    let mut out = String::from("targets whose totals differ (recount, then target_stats):\n");
+    let targets: std::collections::BTreeSet<&String> = truth.keys().chain(stats.keys()).collect();
+    for t in targets {
+        let (r, s) = (truth.get(t), stats.get(t));
+        if r != s {
+            out.push_str(&format!("  {t}: {r:?} against {s:?}\n"));
+        }
+    }
+    let mut lines: Vec<String> = std::fs::read_dir(logs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|f| {
+            let name = f.file_name().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(f.path()).ok()?;
+            Some((name, text))
+        })
+        .flat_map(|(name, text)| {
+            text.lines()
+                .filter(|l| l.contains("\"WARN\"") || l.contains("\"ERROR\""))
+                .filter(|l| !l.contains("tally::access"))
+                .map(|l| format!("  {name}: {l}"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    lines.sort_by(|a, b| {
+        let at = |l: &str| {
+            l.split("\"timestamp\":\"")
+                .nth(1)
+                .map(|t| t[..t.len().min(30)].to_owned())
+        };
+        at(a).cmp(&at(b))
+    });
+    let shown = lines.len().saturating_sub(60);
+    out.push_str(&format!(
+        "the processes' last warnings and errors ({} of {}; all in {}):\n",
+        lines.len() - shown,
+        lines.len(),
+        logs.display()
+    ));
+    for l in &lines[shown..] {
+        out.push_str(&l.chars().take(400).collect::<String>());
+        out.push('\n');
+    }
+    out
 }

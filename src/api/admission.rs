@@ -152,11 +152,14 @@ impl Admission {
         };
         if permit.is_none() {
             metrics::counter!(crate::metrics::ADMISSION_REFUSED, "kind" => self.kind).increment(1);
-            let turn = self.lock().pacing.refusal(Instant::now());
+            let now = Instant::now();
+            let turn = self.lock().pacing.refusal(now);
             if !turn.is_zero() {
                 metrics::counter!(crate::metrics::ADMISSION_PACED, "kind" => self.kind)
                     .increment(1);
-                tokio::time::sleep(turn).await;
+                // From the instant the turn was counted from, so that the
+                // refusals of one tick wake together.
+                tokio::time::sleep_until(tokio::time::Instant::from_std(now + turn)).await;
             }
         }
         permit

@@ -114,7 +114,8 @@ pub struct ApiConfig {
 
     /// The most votes (and, apart, summaries) processed at once. Below it
     /// the admission limit adapts to latency (`--admission-target`); above
-    /// the limit requests are answered 503 with Retry-After at once.
+    /// the limit requests wait in a short queue, then are answered 503 with
+    /// Retry-After (paced by `--admission-refusal-ratio`).
     #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
 
@@ -143,7 +144,7 @@ pub struct ApiConfig {
     /// refusals. An open loop at ten times the capacity needs about 10 when
     /// goodput holds; 15 leaves room for goodput to dip by a third. 0
     /// answers every refusal at once.
-    #[arg(long = "admission-refusal-ratio", env = "TALLY_ADMISSION_REFUSAL_RATIO", default_value_t = 15.0, value_parser = non_negative)]
+    #[arg(long = "admission-refusal-ratio", env = "TALLY_ADMISSION_REFUSAL_RATIO", default_value_t = 15.0, value_parser = refusal_ratio)]
     pub admission_refusal_ratio: f64,
 
     /// Requests slower than this are logged at WARN, whatever the filter.
@@ -177,11 +178,14 @@ pub struct ApiConfig {
     pub stores: Stores,
 }
 
-/// A finite number, zero or more.
-fn non_negative(s: &str) -> Result<f64, String> {
+/// 0 (off), or a finite ratio of at least 0.1: below that a refusal would
+/// be allowed less than every 0.2 s at the floor, which is off in all but name.
+fn refusal_ratio(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(n) if n.is_finite() && n >= 0.0 => Ok(n),
-        _ => Err(format!("expected a number of 0 or more, not {s:?}")),
+        Ok(n) if n == 0.0 || (n.is_finite() && n >= 0.1) => Ok(n),
+        _ => Err(format!(
+            "expected 0 (off) or a number of at least 0.1, not {s:?}"
+        )),
     }
 }
 
@@ -481,8 +485,8 @@ async fn openapi() -> HttpResponse {
 
 /// The access log: one compact line per request under the target
 /// `tally::access`, outside the request's span so its fields are not
-/// repeated. Answers of 5xx (but admission's refusals) and slower than
-/// `--slow-request` are WARN, and always written; the rest are INFO, which the default filter leaves out
+/// repeated. Answers of 5xx and slower than `--slow-request`, admission's
+/// refusals excepted, are WARN, and always written; the rest are INFO, which the default filter leaves out
 /// (`RUST_LOG=info,tally::access=info` writes them: about 200 bytes each).
 fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Duration) {
     let slow = res
@@ -500,7 +504,8 @@ fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Durati
         .extensions()
         .get::<error::ErrorCode>()
         .is_some_and(|c| c.0 == "overloaded");
-    if (status >= 500 && !shed) || elapsed >= slow {
+    // A paced refusal waits up to a second on purpose: not slow either.
+    if !shed && (status >= 500 || elapsed >= slow) {
         tracing::warn!(target: "tally::access", method, path, status, ms, request_id = id, "answered");
     } else {
         tracing::info!(target: "tally::access", method, path, status, ms, request_id = id, "answered");

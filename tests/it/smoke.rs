@@ -163,3 +163,23 @@ fn a_short_hs256_secret_stops_tally_vote_at_start_with_the_reason() {
         );
     }
 }
+
+/// A refusal ratio that is negative, not a number, or so small it is off in
+/// all but name stops `tally vote` before it connects to anything, saying
+/// what it takes.
+#[test]
+fn a_bad_admission_refusal_ratio_stops_tally_vote_with_what_it_takes() {
+    for bad in ["-1", "nan", "inf", "0.01", "lots"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .arg("vote")
+            .arg(format!("--admission-refusal-ratio={bad}"))
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(
+            stderr.contains("--admission-refusal-ratio") && stderr.contains("at least 0.1"),
+            "{bad}: {stderr}"
+        );
+    }
+}
