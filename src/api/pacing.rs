@@ -66,6 +66,9 @@ pub struct Pacing {
     due: Instant,
     /// Where the ticks are counted from.
     epoch: Instant,
+    /// When the last refusal is answered: none is answered before it, so
+    /// rounding up to a tick never lets a later refusal overtake it.
+    last_answer: Instant,
 }
 
 impl Pacing {
@@ -78,6 +81,7 @@ impl Pacing {
             next: 0,
             due: now,
             epoch: now,
+            last_answer: now,
         }
     }
 
@@ -102,13 +106,17 @@ impl Pacing {
         // At most `MAX_DELAY` after `now`: the clamp below keeps `due` within
         // `BURST + MAX_DELAY` of every earlier `now`.
         let answer_at = due.checked_sub(BURST).unwrap_or(now).max(now);
-        let delay = if answer_at > now {
+        let answer_at = if answer_at > now {
             // Rounded up to a tick, even at the longest wait, so that the
             // refusals of a saturated storm coalesce too.
-            self.on_a_tick(answer_at).saturating_duration_since(now)
+            self.on_a_tick(answer_at)
         } else {
-            Duration::ZERO
+            now
         };
+        // Never before the one answered last: in turn, on its tick at most.
+        let answer_at = answer_at.max(self.last_answer);
+        self.last_answer = answer_at;
+        let delay = answer_at.saturating_duration_since(now);
         // A refusal answered early (at MAX_DELAY) still takes its turn, but
         // the debt is bounded: what is owed never reaches past the longest
         // wait, so a storm that ends leaves no backlog to slow the next.
