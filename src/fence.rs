@@ -3,12 +3,14 @@
 //!
 //! One round reads the head (the `seq` fence and the totals), then the
 //! applied rows, lets the writer fold what it knows into them, and writes the
-//! result conditioned on the `seq` it read. The rows are read after the head,
-//! never beside it: a writer that lands between the two reads has moved the
-//! fence, so the stale view is refused instead of written. A lost fence, or a
-//! write whose outcome is unknown, starts a new round at LOCAL_SERIAL, which
-//! completes any Paxos round still in flight; a write that did land shows up
-//! there as versions already applied.
+//! result conditioned on the `seq` it read and on each row it changes holding
+//! what it read there. Any view older than the store is refused instead of
+//! written: one with a writer landing between its two reads, and one whose
+//! rows came from replicas a commit had not yet reached while its head came
+//! from one it had (see `FencedWrite`). A lost fence, or a write whose
+//! outcome is unknown, starts a new round at LOCAL_SERIAL, which completes
+//! any Paxos round still in flight; a write that did land shows up there as
+//! versions already applied.
 
 use std::collections::HashMap;
 
@@ -114,21 +116,30 @@ pub async fn write(
         let head = stats.head(target, bucket, at).await?;
         let applied = stats.applied_of(target, bucket, users).await?;
         done.requests += 2;
+        let read = Read {
+            head,
+            applied: applied.clone(),
+        };
         let Step::Write {
             totals,
             target_type,
             users: rows,
-        } = writer.fold(target, Read { head, applied }).await?
+        } = writer.fold(target, read).await?
         else {
             done.ending = Ending::Settled;
             done.left = Some((head.seq, head.totals));
             return Ok(done);
         };
+        let before: Vec<Applied> = rows
+            .iter()
+            .map(|(u, _)| applied.get(u).copied().unwrap_or(Applied::NEVER))
+            .collect();
         let proposal = FencedWrite {
             read_seq: head.seq,
             totals,
             target_type,
             users: &rows,
+            before: &before,
         };
         let outcome = land(stats, cache, (target, bucket), &proposal, &[]).await;
         done.requests += 1;
@@ -170,18 +181,15 @@ pub async fn land(
     outcome
 }
 
-/// `land`, with each user's row also conditioned on what the writer believes
-/// it holds (see `Stats::write_expecting`): a write that read nothing.
-pub async fn land_expecting(
+/// `land` for a writer that read nothing, only believes what the head and
+/// rows hold (counted apart in the metrics: its refusals are expected).
+pub async fn land_unread(
     stats: &Stats,
     cache: Option<&Cache>,
     (target, bucket): (&TargetId, Bucket),
     proposal: &FencedWrite<'_>,
-    before: &[Applied],
 ) -> Cas {
-    let outcome = stats
-        .write_expecting(target, bucket, proposal, before)
-        .await;
+    let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats_unread", &outcome);
     write_through(stats, cache, (target, bucket), proposal, &[], &outcome).await;
     outcome

@@ -414,9 +414,9 @@ impl BucketPass<'_> {
             if lost >= self.reconciler.max_fence_losses {
                 return Err(ReconcileError::Contention(self.target.to_string()));
             }
-            let h = match head.take() {
-                Some(h) => h,
-                None => store.stats.head(self.target, self.bucket, at).await?,
+            let (h, read_at) = match head.take() {
+                Some(h) => (h, ReadAt::Quorum),
+                None => (store.stats.head(self.target, self.bucket, at).await?, at),
             };
             if first {
                 self.found.before = h.totals;
@@ -436,11 +436,19 @@ impl BucketPass<'_> {
             }
             // The bucket is counted: totals that differ from the sum of its
             // applied states were damaged, and are replaced by that sum.
+            // That write is conditioned on the fence alone, so it is decided
+            // only by a pass that began at LOCAL_SERIAL: a commit that had
+            // reached one replica (seen in the head, missed by a page) is
+            // then on a quorum before any row is read. A dry run writes
+            // nothing, and a second pass would count its findings twice.
+            if walk.recount != walk.stored && read_at == ReadAt::Quorum && !self.dry_run {
+                continue;
+            }
             if walk.recount != walk.stored {
                 self.found.damaged_totals = true;
                 let recount = walk.recount;
                 if !self.dry_run
-                    && self.write(&mut walk, recount, Vec::new(), &[]).await? == Landed::Lost
+                    && self.write(&mut walk, recount, (&[], &[]), &[]).await? == Landed::Lost
                 {
                     lost += 1;
                     continue;
@@ -579,6 +587,10 @@ impl BucketPass<'_> {
             );
             let now = Totals::count(chunk.iter().map(|(_, a)| a.state));
             let totals = walk.stored.minus(was).plus(now);
+            let before: Vec<Applied> = chunk
+                .iter()
+                .map(|(u, _)| base.get(u).copied().unwrap_or(Applied::NEVER))
+                .collect();
             if self.dry_run {
                 walk.stored = totals;
             } else {
@@ -587,7 +599,7 @@ impl BucketPass<'_> {
                     .filter_map(|(u, _)| ahead.get(u).map(|v| (u.clone(), *v)))
                     .collect();
                 if self
-                    .write(walk, totals, chunk.to_vec(), &chunk_ahead)
+                    .write(walk, totals, (chunk, &before), &chunk_ahead)
                     .await?
                     == Landed::Lost
                 {
@@ -601,12 +613,13 @@ impl BucketPass<'_> {
         Ok(Landed::Written)
     }
 
-    /// One fenced write, chained on the seq of the walk's last one.
+    /// One fenced write, chained on the seq of the walk's last one, of
+    /// `users` whose applied rows held `before` when the page read them.
     async fn write(
         &mut self,
         walk: &mut Walk,
         totals: Totals,
-        users: Vec<(UserId, Applied)>,
+        (users, before): (&[(UserId, Applied)], &[Applied]),
         ahead: &[(UserId, i64)],
     ) -> Result<Landed, ReconcileError> {
         let store = &self.reconciler.store;
@@ -614,7 +627,8 @@ impl BucketPass<'_> {
             read_seq: walk.seq,
             totals,
             target_type: walk.target_type,
-            users: &users,
+            users,
+            before,
         };
         let place = (self.target, self.bucket);
         match fence::land(

@@ -491,10 +491,10 @@ impl Worker<'_> {
             totals: ledger.totals,
             target_type: chunk.first().map(|t| t.target_type),
             users: &users,
+            before: &expected,
         };
         let place = (target, bucket);
-        match fence::land_expecting(self.stats, Some(self.cache), place, &proposal, &expected).await
-        {
+        match fence::land_unread(self.stats, Some(self.cache), place, &proposal).await {
             Cas::Applied => {
                 let left = (Some(seq.unwrap_or(0) + 1), ledger.totals);
                 self.known.set(target, bucket, Some(left));

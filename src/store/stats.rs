@@ -1,7 +1,8 @@
 //! The `target_stats` table: durable totals and the per-user versions they
 //! include, one partition per bucket of a target (see `domain::bucket`).
 //! Only the consumer and reconcile write it, and every write is one
-//! conditional batch fenced on the bucket's `seq`.
+//! conditional batch fenced on the bucket's `seq` and on each applied row it
+//! changes holding what its writer read or believes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -70,7 +71,15 @@ impl Heads {
 }
 
 /// One fenced write: the new totals and the applied rows of some users, if
-/// the bucket's `seq` is still `read_seq`. It sets `seq` to `read_seq + 1`.
+/// the bucket's `seq` is still `read_seq` and each of those rows still holds
+/// what `before` says. It sets `seq` to `read_seq + 1`.
+///
+/// The fence alone is not enough once there are replicas: a commit that
+/// reached one replica (its coordinator timed out or died) can show in one
+/// LOCAL_QUORUM read and not in the next, so a writer can read the new head
+/// beside old rows and move the totals a second time for a change already in
+/// them. Paxos evaluates every condition on the same linearizable view, so a
+/// writer whose rows were stale is refused as one whose head was.
 #[derive(Debug, Clone, Copy)]
 pub struct FencedWrite<'a> {
     pub read_seq: Option<i64>,
@@ -78,6 +87,10 @@ pub struct FencedWrite<'a> {
     /// Recorded when known; an absent type leaves the stored one alone.
     pub target_type: Option<TargetType>,
     pub users: &'a [(UserId, Applied)],
+    /// What each of `users`, in order, holds before this write as its writer
+    /// read it (or, without reading, believes it): `Applied::NEVER` for no
+    /// row.
+    pub before: &'a [Applied],
 }
 
 /// An applied row, with the token it is clustered by.
@@ -99,7 +112,6 @@ pub struct Stats {
     applied_of: PreparedStatement,
     applied_page: PreparedStatement,
     write_head: PreparedStatement,
-    write_user: PreparedStatement,
     write_user_at: PreparedStatement,
     write_user_new: PreparedStatement,
     probe: PreparedStatement,
@@ -175,9 +187,6 @@ impl Stats {
         .context("prepare head write")?;
         let user_cql = "UPDATE target_stats SET applied_version = ?, applied_state = ? \
                         WHERE target_id = ? AND bucket = ? AND user_token = ? AND user_id = ?";
-        let write_user = super::prepare(&session, user_cql)
-            .await
-            .context("prepare user write")?;
         let write_user_at = super::prepare(
             &session,
             format!("{user_cql} IF applied_version = ? AND applied_state = ?"),
@@ -205,7 +214,6 @@ impl Stats {
             applied_of,
             applied_page,
             write_head,
-            write_user,
             write_user_at,
             write_user_new,
             probe,
@@ -325,34 +333,12 @@ impl Stats {
     }
 
     /// Writes a bucket's totals and applied rows in one conditional batch on
-    /// the bucket's `seq`. Every user must belong to `bucket`.
+    /// the bucket's `seq` and on each changed row holding what `w.before`
+    /// says. Refused (`NotApplied`) if any of them differs. Every user must
+    /// belong to `bucket`.
     pub async fn write(&self, target: &TargetId, bucket: Bucket, w: &FencedWrite<'_>) -> Cas {
-        self.write_batch(target, bucket, w, None).await
-    }
-
-    /// The same write, also conditioned on each user's applied row holding
-    /// `before` (one per user of `w`, in order; `Applied::NEVER` for no row):
-    /// a writer that has not read the rows, only believes what they hold.
-    /// Refused, as a lost fence is, if any belief is wrong.
-    pub async fn write_expecting(
-        &self,
-        target: &TargetId,
-        bucket: Bucket,
-        w: &FencedWrite<'_>,
-        before: &[Applied],
-    ) -> Cas {
-        debug_assert_eq!(before.len(), w.users.len());
-        self.write_batch(target, bucket, w, Some(before)).await
-    }
-
-    async fn write_batch(
-        &self,
-        target: &TargetId,
-        bucket: Bucket,
-        w: &FencedWrite<'_>,
-        before: Option<&[Applied]>,
-    ) -> Cas {
         debug_assert!(w.users.iter().all(|(u, _)| self.bucket_of(u) == bucket));
+        debug_assert_eq!(w.before.len(), w.users.len());
         let mut batch = Batch::new(BatchType::Unlogged);
         batch.set_consistency(self.levels.quorum);
         batch.set_serial_consistency(Some(self.levels.serial));
@@ -387,19 +373,15 @@ impl Stats {
                 token_of(user),
                 user.as_str(),
             );
-            match before.and_then(|b| b.get(i)) {
-                None => {
-                    batch.append_statement(self.write_user.clone());
-                    values.push(Row::User(row));
-                }
-                Some(was) if *was == Applied::NEVER => {
-                    batch.append_statement(self.write_user_new.clone());
-                    values.push(Row::User(row));
-                }
-                Some(was) => {
-                    batch.append_statement(self.write_user_at.clone());
-                    values.push(Row::UserAt(row, (was.version, was.state.as_str())));
-                }
+            // A missing belief (a writer's bug) is taken as no row, so the
+            // write is refused unless that is true; never unconditioned.
+            let was = w.before.get(i).copied().unwrap_or(Applied::NEVER);
+            if was == Applied::NEVER {
+                batch.append_statement(self.write_user_new.clone());
+                values.push(Row::User(row));
+            } else {
+                batch.append_statement(self.write_user_at.clone());
+                values.push(Row::UserAt(row, (was.version, was.state.as_str())));
             }
         }
         classify(self.session.batch(&batch, values).await)
