@@ -46,8 +46,9 @@ pub enum Step {
 }
 
 /// A writer folds its knowledge into a round's read. `fold` runs once per
-/// round, so whatever it learns must be recomputed from each read; it may
-/// read more (reconcile reads the per-user truth there, after the stats).
+/// round, so whatever it learns must be recomputed from each read. The rows
+/// it writes are conditioned on what `read.applied` says of them, so a writer
+/// must compute their change from that, not from rows it read elsewhere.
 pub trait Fold {
     fn fold(
         &mut self,
