@@ -587,10 +587,8 @@ impl BucketPass<'_> {
             );
             let now = Totals::count(chunk.iter().map(|(_, a)| a.state));
             let totals = walk.stored.minus(was).plus(now);
-            let before: Vec<Applied> = chunk
-                .iter()
-                .map(|(u, _)| base.get(u).copied().unwrap_or(Applied::NEVER))
-                .collect();
+            let before: Vec<Option<Applied>> =
+                chunk.iter().map(|(u, _)| base.get(u).copied()).collect();
             if self.dry_run {
                 walk.stored = totals;
             } else {
@@ -619,7 +617,7 @@ impl BucketPass<'_> {
         &mut self,
         walk: &mut Walk,
         totals: Totals,
-        (users, before): (&[(UserId, Applied)], &[Applied]),
+        (users, before): (&[(UserId, Applied)], &[Option<Applied>]),
         ahead: &[(UserId, i64)],
     ) -> Result<Landed, ReconcileError> {
         let store = &self.reconciler.store;

@@ -482,9 +482,10 @@ impl Worker<'_> {
             return false;
         }
         let users = ledger.changed_rows();
-        let expected: Vec<Applied> = users
+        // A first version's belief is no row at all.
+        let expected: Vec<Option<Applied>> = users
             .iter()
-            .map(|(u, _)| before.get(u).copied().unwrap_or(Applied::NEVER))
+            .map(|(u, _)| before.get(u).copied().filter(|a| *a != Applied::NEVER))
             .collect();
         let proposal = FencedWrite {
             read_seq: seq,

@@ -88,9 +88,10 @@ pub struct FencedWrite<'a> {
     pub target_type: Option<TargetType>,
     pub users: &'a [(UserId, Applied)],
     /// What each of `users`, in order, holds before this write as its writer
-    /// read it (or, without reading, believes it): `Applied::NEVER` for no
-    /// row.
-    pub before: &'a [Applied],
+    /// read it (or, without reading, believes it): `None` for no row. A row
+    /// can hold `Applied::NEVER` (reconcile forgetting a user writes it), and
+    /// that is not the same condition as no row.
+    pub before: &'a [Option<Applied>],
 }
 
 /// An applied row, with the token it is clustered by.
@@ -311,7 +312,10 @@ impl Stats {
             (target.as_str(), bucket.column(), keys),
         )
         .await?;
-        Ok(parse_rows(rows).map(|r| (r.user, r.applied)).collect())
+        Ok(parse_rows(rows)?
+            .into_iter()
+            .map(|r| (r.user, r.applied))
+            .collect())
     }
 
     /// At most `limit` applied rows of a bucket with tokens in `from..=to`,
@@ -329,7 +333,7 @@ impl Stats {
             (target.as_str(), bucket.column(), from, to, limit),
         )
         .await?;
-        Ok(parse_rows(rows).collect())
+        parse_rows(rows)
     }
 
     /// Writes a bucket's totals and applied rows in one conditional batch on
@@ -375,13 +379,15 @@ impl Stats {
             );
             // A missing belief (a writer's bug) is taken as no row, so the
             // write is refused unless that is true; never unconditioned.
-            let was = w.before.get(i).copied().unwrap_or(Applied::NEVER);
-            if was == Applied::NEVER {
-                batch.append_statement(self.write_user_new.clone());
-                values.push(Row::User(row));
-            } else {
-                batch.append_statement(self.write_user_at.clone());
-                values.push(Row::UserAt(row, (was.version, was.state.as_str())));
+            match w.before.get(i).copied().flatten() {
+                None => {
+                    batch.append_statement(self.write_user_new.clone());
+                    values.push(Row::User(row));
+                }
+                Some(was) => {
+                    batch.append_statement(self.write_user_at.clone());
+                    values.push(Row::UserAt(row, (was.version, was.state.as_str())));
+                }
             }
         }
         classify(self.session.batch(&batch, values).await)
@@ -389,24 +395,30 @@ impl Stats {
 }
 
 /// A partition holding only its static columns answers one row with null
-/// clustering columns; it, and rows that do not parse, are skipped.
-fn parse_rows(rows: Vec<StoredRow>) -> impl Iterator<Item = AppliedRow> {
-    rows.into_iter()
-        .filter_map(|(token, user, version, state)| {
-            let (Some(token), Some(Ok(user)), Some(version)) =
-                (token, user.as_deref().map(UserId::parse), version)
-            else {
-                return None;
-            };
-            let state = state
-                .and_then(|s| s.parse::<Reaction>().ok())
-                .unwrap_or(Reaction::None);
-            Some(AppliedRow {
-                token,
-                user,
-                applied: Applied { version, state },
-            })
-        })
+/// clustering columns; it, and rows without a user or a version, are skipped.
+/// A state this build does not know is an error, not `none`: every write is
+/// conditioned on the state it read, so a misread one would be refused for
+/// ever, and before that it would have moved the totals wrongly.
+fn parse_rows(rows: Vec<StoredRow>) -> Result<Vec<AppliedRow>, StoreError> {
+    let mut parsed = Vec::with_capacity(rows.len());
+    for (token, user, version, state) in rows {
+        let (Some(token), Some(Ok(user)), Some(version)) =
+            (token, user.as_deref().map(UserId::parse), version)
+        else {
+            continue;
+        };
+        let Some(state) = state.as_deref().and_then(|s| s.parse::<Reaction>().ok()) else {
+            return Err(StoreError::Corrupt(format!(
+                "the applied row of user {user} holds state {state:?}, which this build does not know"
+            )));
+        };
+        parsed.push(AppliedRow {
+            token,
+            user,
+            applied: Applied { version, state },
+        });
+    }
+    Ok(parsed)
 }
 
 /// The values of one statement of a stats batch: the statics, or one user.
@@ -437,5 +449,49 @@ impl SerializeRow for Row<'_> {
 
     fn is_empty(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(user: Option<&str>, version: Option<i64>, state: Option<&str>) -> StoredRow {
+        (
+            Some(7),
+            user.map(str::to_owned),
+            version,
+            state.map(str::to_owned),
+        )
+    }
+
+    #[test]
+    fn the_static_row_is_skipped_and_a_known_state_is_read() {
+        let rows = parse_rows(vec![
+            (None, None, None, None),
+            row(Some("ann"), Some(3), Some("dislike")),
+            row(Some("ben"), None, None),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].user.as_str(), "ann");
+        assert_eq!(
+            rows[0].applied,
+            Applied {
+                version: 3,
+                state: Reaction::Dislike
+            }
+        );
+    }
+
+    #[test]
+    fn a_state_this_build_does_not_know_is_an_error_not_none() {
+        for state in [Some("love"), None] {
+            let read = parse_rows(vec![row(Some("ann"), Some(3), state)]);
+            assert!(
+                matches!(read, Err(StoreError::Corrupt(_))),
+                "{state:?}: {read:?}"
+            );
+        }
     }
 }
