@@ -131,7 +131,8 @@ pub async fn write(
             done.left = Some((head.seq, head.totals));
             return Ok(done);
         };
-        let before: Vec<Option<Applied>> = rows.iter().map(|(u, _)| applied.get(u).copied()).collect();
+        let before: Vec<Option<Applied>> =
+            rows.iter().map(|(u, _)| applied.get(u).copied()).collect();
         let proposal = FencedWrite {
             read_seq: head.seq,
             totals,
