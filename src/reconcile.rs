@@ -580,15 +580,13 @@ impl BucketPass<'_> {
         // Chunks, each self-consistent: its totals move by exactly the users
         // it writes. A dry run moves them the same way, unwritten.
         for chunk in plan.changed_rows().chunks(MAX_USERS_PER_WRITE) {
-            let was = Totals::count(
-                chunk
-                    .iter()
-                    .map(|(u, _)| base.get(u).copied().unwrap_or(Applied::NEVER).state),
-            );
-            let now = Totals::count(chunk.iter().map(|(_, a)| a.state));
-            let totals = walk.stored.minus(was).plus(now);
+            // The rows as the page read them: what the write is conditioned
+            // on, and what the totals move from.
             let before: Vec<Option<Applied>> =
                 chunk.iter().map(|(u, _)| base.get(u).copied()).collect();
+            let was = Totals::count(before.iter().map(|b| b.unwrap_or(Applied::NEVER).state));
+            let now = Totals::count(chunk.iter().map(|(_, a)| a.state));
+            let totals = walk.stored.minus(was).plus(now);
             if self.dry_run {
                 walk.stored = totals;
             } else {
