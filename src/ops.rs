@@ -259,6 +259,9 @@ pub fn serve(
     })
     .workers(1)
     .disable_signals()
+    // Nothing here is worth holding a stop for: a scraper's keep-alive
+    // connection would otherwise keep it waiting up to actix's 30 s.
+    .shutdown_timeout(2)
     .listen(listener)?
     .run();
     Ok((port, server))

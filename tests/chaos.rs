@@ -11,6 +11,9 @@
 //! It restarts the shared Kafka and Cassandra (via scripts/stack.sh), so
 //! scripts/test.sh runs it on its own, after the other tests. Set
 //! TALLY_CHAOS_STACK_RESTARTS=0 to skip those two faults.
+//!
+//! The other test here freezes the shared Kafka while a consumer stops; the
+//! two take turns (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -60,6 +63,9 @@ impl Services {
         self.redis = Some(Proc(child));
     }
 }
+
+/// Both tests fault the shared stack: they run one after the other.
+static SHARED_STACK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn stack(args: &[&str]) {
     support::stack::stack(args);
@@ -120,6 +126,7 @@ async fn send(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() {
+    let _turn = SHARED_STACK.lock().await;
     let secs = env_num("TALLY_CHAOS_SECS", 60);
     let seed = env_num("TALLY_CHAOS_SEED", 1);
     let stack_restarts = env_num("TALLY_CHAOS_STACK_RESTARTS", 1) == 1;
@@ -618,4 +625,71 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         &drift_before[..drift_before.len().min(5)]
     );
     drop(svc);
+}
+
+/// Thaws the shared Kafka however the test ends.
+struct Frozen(&'static str);
+
+impl Frozen {
+    fn freeze(server: &'static str) -> Frozen {
+        support::stack::signal_server(server, "-STOP");
+        Frozen(server)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        support::stack::signal_server(self.0, "-CONT");
+    }
+}
+
+/// A stop (SIGTERM) while the broker is frozen: librdkafka's final commit
+/// and leave wait on a coordinator that answers nothing, for a minute per
+/// request. The consumer still exits, cleanly and within its bounds: no
+/// batch in hand, 10 s for the leave, 2 s for the exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_stopped_while_kafka_is_frozen_exits_within_its_bounds() {
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let mut consumer = env.tally();
+    consumer
+        .arg("consumer")
+        .env("TALLY_TRUST_EVENTS", "true")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let mut consumer = Proc(consumer.spawn().unwrap_or_else(|e| panic!("{e}")));
+    for user in ["u1", "u2", "u3"] {
+        env.publish_transition(user, "t-leave", "none", "like", 1)
+            .await;
+    }
+    // Counted, so its offsets are stored and the final commit has work to do.
+    eventually(
+        "the consumer to count three likes",
+        Duration::from_secs(60),
+        || async {
+            let stats = env.stats().await;
+            (stats.get("t-leave").map(support::Tally::likes) == Some(3)).then_some(())
+        },
+    )
+    .await;
+
+    let frozen = Frozen::freeze("kafka");
+    let stopping = Instant::now();
+    assert!(
+        support::signal("-TERM", consumer.0.id()),
+        "could not send SIGTERM to tally consumer"
+    );
+    let status = eventually("tally consumer to exit", Duration::from_secs(90), || {
+        let status = consumer.0.try_wait().unwrap_or_else(|e| panic!("{e}"));
+        async move { status }
+    })
+    .await;
+    let took = stopping.elapsed();
+    drop(frozen);
+    eprintln!("tally consumer exited {took:?} after SIGTERM, Kafka frozen: {status}");
+    assert!(status.success(), "tally consumer exited with {status}");
+    assert!(
+        took < Duration::from_secs(25),
+        "tally consumer took {took:?} to exit with Kafka frozen"
+    );
 }

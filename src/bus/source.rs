@@ -124,12 +124,28 @@ impl Source {
         }
     }
 
-    /// Commits what was stored, synchronously, and leaves the group.
-    pub fn leave(&self) {
-        if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
-            tracing::debug!(error = %e, "final commit had nothing to do or failed");
+    /// Commits what was stored and leaves the group, giving up after
+    /// `bound`. librdkafka's synchronous commit and its close wait with no
+    /// limit of their own for a coordinator that may never answer (a broker
+    /// frozen or gone), so they run on a blocking thread, and a stop is
+    /// never held by them for longer than `bound`. What the commit did not
+    /// reach is replayed by the partitions' next owner, and the apply rule
+    /// drops the replay.
+    pub async fn leave(self, bound: Duration) {
+        let leaving = tokio::task::spawn_blocking(move || {
+            if let Err(e) = self.consumer.commit_consumer_state(CommitMode::Sync) {
+                tracing::debug!(error = %e, "final commit had nothing to do or failed");
+            }
+            self.consumer.unsubscribe();
+            // The last handle closes the consumer here, off the runtime.
+            drop(self);
+        });
+        if tokio::time::timeout(bound, leaving).await.is_err() {
+            tracing::warn!(
+                bound = %humantime::format_duration(bound),
+                "Kafka did not take the final commit or the leave in time; the uncommitted messages will be replayed and dropped as replays"
+            );
         }
-        self.consumer.unsubscribe();
     }
 
     /// The lag of every partition assigned to this member. Blocking: call it

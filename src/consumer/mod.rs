@@ -198,9 +198,9 @@ pub async fn run(
         }
     };
 
-    source.leave();
     lag_task.abort();
     ttl_task.abort();
+    source.leave(LEAVE_BOUND).await;
     ops_handle.stop(true).await;
     tracing::info!(
         processed = progress.processed.load(Ordering::Relaxed),
@@ -208,6 +208,11 @@ pub async fn run(
     );
     result
 }
+
+/// Longest a stop waits for Kafka to take the final commit and the leave.
+/// The group's session timeout (10 s) reassigns the partitions of a member
+/// that never said goodbye, so waiting longer buys nothing.
+const LEAVE_BOUND: Duration = Duration::from_secs(10);
 
 async fn drain_deadline(mut stop: watch::Receiver<bool>, timeout: Duration) {
     let _ = stop.wait_for(|s| *s).await;
