@@ -64,8 +64,6 @@ pub enum Ending {
     Written,
     /// A round found nothing (more) to write.
     Settled,
-    /// The fence was lost `max_lost` times; nothing more was written.
-    Contended,
 }
 
 /// How a fenced write went: its ending and what it cost.
@@ -80,7 +78,7 @@ pub struct Fenced {
     pub requests: u64,
     /// The bucket's seq and totals as the last round left them (read, or
     /// written): what a writer may take as current until someone else
-    /// writes. `None` when it ended contended.
+    /// writes.
     pub left: Option<Left>,
 }
 
@@ -89,16 +87,15 @@ pub struct Fenced {
 pub type Left = (Option<i64>, Totals);
 
 /// Runs rounds on one bucket, reading the applied rows of `users` (all in
-/// that bucket), until the writer settles, its write lands, or the fence is
-/// lost `max_lost` times (`None`: never give up). A store error ends it at
-/// once. A write that lands is written through to `cache` (with its seq), so
-/// served counts follow the durable ones.
+/// that bucket), until the writer settles or its write lands; after a few
+/// rounds lost in a row, it backs off between them (`lost_backoff`). A store
+/// error ends it at once. A write that lands is written through to `cache`
+/// (with its seq), so served counts follow the durable ones.
 pub async fn write(
     stats: &Stats,
     cache: Option<&Cache>,
     (target, bucket): (&TargetId, Bucket),
     users: &[&UserId],
-    max_lost: Option<u32>,
     writer: &mut impl Fold,
 ) -> Result<Fenced, StoreError> {
     let mut at = ReadAt::Quorum;
@@ -110,9 +107,11 @@ pub async fn write(
         left: None,
     };
     loop {
-        if max_lost.is_some_and(|max| done.lost >= max) {
-            done.ending = Ending::Contended;
-            return Ok(done);
+        if let Some(pause) = lost_backoff(done.lost) {
+            if done.lost.is_power_of_two() {
+                tracing::warn!(target_id = %target, %bucket, lost = done.lost, "stats write lost its fence round after round; backing off");
+            }
+            tokio::time::sleep(pause).await;
         }
         let head = stats.head(target, bucket, at).await?;
         let applied = stats.applied_of(target, bucket, users).await?;
@@ -161,6 +160,23 @@ pub async fn write(
             Cas::Failed(e) => return Err(StoreError::Request(e)),
         }
     }
+}
+
+/// Rounds lost in a row before a writer pauses between rounds. Two writers
+/// that collide settle it in a round or two: the loser re-reads at SERIAL
+/// and finds its events counted or the fence free. More means a view that
+/// keeps losing, which must not spin on Paxos and starve the bucket's other
+/// writers.
+const LOST_BEFORE_BACKOFF: u32 = 3;
+
+/// The pause before the next round after `lost` rounds lost in a row: none
+/// at first, then a random share (so writers that lost together do not come
+/// back together) of 5 ms doubling up to 640 ms.
+fn lost_backoff(lost: u32) -> Option<std::time::Duration> {
+    let over = lost.checked_sub(LOST_BEFORE_BACKOFF)?;
+    let cap = std::time::Duration::from_millis(5) * 2u32.pow(over.min(7));
+    let share = (uuid::Uuid::new_v4().as_u128() % 1_001) as f64 / 1_000.0;
+    Some(cap.mul_f64(share))
 }
 
 /// Writes one fenced write, and writes it through to `cache` (with its seq)
@@ -213,6 +229,37 @@ async fn write_through(
         };
         if let Err(e) = cache.write_through(target, &written).await {
             tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{LOST_BEFORE_BACKOFF, lost_backoff};
+
+    #[test]
+    fn the_first_lost_rounds_go_again_at_once() {
+        for lost in 0..LOST_BEFORE_BACKOFF {
+            assert_eq!(lost_backoff(lost), None, "after {lost} lost");
+        }
+    }
+
+    #[test]
+    fn later_rounds_pause_within_a_doubling_cap_that_stops_at_640_ms() {
+        for (over, cap_ms) in [(0, 5), (1, 10), (2, 20), (7, 640), (8, 640), (1_000, 640)] {
+            let lost = LOST_BEFORE_BACKOFF + over;
+            let pauses: Vec<Duration> = (0..200).filter_map(|_| lost_backoff(lost)).collect();
+            assert_eq!(pauses.len(), 200, "after {lost} lost, every round pauses");
+            let cap = Duration::from_millis(cap_ms);
+            assert!(
+                pauses.iter().all(|p| *p <= cap),
+                "after {lost} lost: {pauses:?}"
+            );
+            // Jittered: not all the same, and some near the cap.
+            assert!(pauses.iter().any(|p| *p != pauses[0]), "after {lost} lost");
+            assert!(pauses.iter().any(|p| *p > cap / 2), "after {lost} lost");
         }
     }
 }

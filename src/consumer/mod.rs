@@ -419,7 +419,6 @@ impl Worker<'_> {
                     Some(self.cache),
                     (target, bucket),
                     &users,
-                    None,
                     &mut counting,
                 )
                 .await

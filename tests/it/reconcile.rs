@@ -574,7 +574,6 @@ async fn the_sweep_skips_a_target_another_writer_keeps_writing_and_finishes_the_
                     None,
                     (&hot, bucket),
                     &[&nobody],
-                    Some(1),
                     &mut MoveFence,
                 )
                 .await?;
