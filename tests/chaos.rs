@@ -33,12 +33,21 @@ struct Services {
     vote: Option<Proc>,
     consumer: Option<Proc>,
     redis: Option<Proc>,
+    /// Processes started so far: each logs (at WARN) to a file of its own
+    /// in `logs`, kept for a failed run to be read.
+    started: u32,
+    logs: std::path::PathBuf,
 }
 
 impl Services {
-    fn tally(&self, env: &TestEnv, sub: &str) -> Proc {
+    fn tally(&mut self, env: &TestEnv, sub: &str) -> Proc {
+        self.started += 1;
+        let path = self.logs.join(format!("{:02}-{sub}.log", self.started));
+        let log = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
         let mut cmd = env.tally();
-        cmd.arg(sub).stdout(Stdio::null()).stderr(Stdio::null());
+        cmd.arg(sub)
+            .stdout(log.try_clone().unwrap_or_else(|e| panic!("{e}")))
+            .stderr(log);
         for (k, v) in &self.env_vars {
             cmd.env(k, v);
         }
@@ -155,7 +164,12 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
         vote: None,
         consumer: None,
         redis: None,
+        started: 0,
+        logs: root().join(format!("target/tally-chaos/logs-seed{seed}")),
     };
+    let _ = std::fs::remove_dir_all(&svc.logs);
+    std::fs::create_dir_all(&svc.logs).unwrap_or_else(|e| panic!("{:?}: {e}", svc.logs));
+    eprintln!("chaos: the processes log to {}", svc.logs.display());
     svc.start_redis();
     svc.vote = Some(svc.tally(&env, "vote"));
     svc.consumer = Some(svc.tally(&env, "consumer"));
@@ -379,6 +393,19 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     let ops = log.lock().map(|l| l.ops.clone()).unwrap_or_default();
     let faults = log.lock().map(|l| l.faults.clone()).unwrap_or_default();
     eprintln!("chaos: load done: {} requests; draining", ops.len());
+    // Every fault restarts what it killed: a process that exited by itself
+    // is a failure of its own, named here rather than as the drift it leaves.
+    for (name, proc) in [
+        ("tally vote", &mut svc.vote),
+        ("tally consumer", &mut svc.consumer),
+    ] {
+        if let Some(status) = proc.as_mut().and_then(|p| p.0.try_wait().ok().flatten()) {
+            panic!(
+                "{name} exited by itself ({status}) during the run; its log is the last one of its kind in {}",
+                svc.logs.display()
+            );
+        }
+    }
 
     // Cassandra may have restarted: a fresh session for the checker.
     env.reconnect().await;
