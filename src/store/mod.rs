@@ -163,20 +163,78 @@ fn tls_context(ca: &Path) -> anyhow::Result<openssl::ssl::SslContext> {
     Ok(builder.build())
 }
 
-/// Whether a failed `Store::open` found no node to talk to at all: every
-/// connection refused, timed out or broken, as while Cassandra restarts.
-fn unreachable(e: &anyhow::Error) -> bool {
-    use scylla::errors::{ConnectionError, ConnectionPoolError, MetadataError, NewSessionError};
-    matches!(
-        e.downcast_ref::<NewSessionError>(),
-        Some(NewSessionError::MetadataError(
-            MetadataError::ConnectionPoolError(ConnectionPoolError::Broken {
-                last_connection_error: ConnectionError::ConnectTimeout
-                    | ConnectionError::IoError(_)
-                    | ConnectionError::BrokenConnection(_),
-            })
-        ))
-    )
+/// Whether a failed `Store::open` met Cassandra not (yet) able to serve, as
+/// while it restarts: no node took a connection, a connection broke, a
+/// request timed out, or the node answered that it is shutting down,
+/// starting or short of replicas. Anything else (a keyspace that does not
+/// exist, a refused login) is a setting to fix.
+fn not_ready(e: &anyhow::Error) -> bool {
+    use scylla::errors::{
+        ConnectionError, ConnectionPoolError, ExecutionError, MetadataError, NewSessionError,
+        PrepareError, UseKeyspaceError,
+    };
+    e.chain().any(|cause| {
+        if let Some(e) = cause.downcast_ref::<NewSessionError>() {
+            return matches!(
+                e,
+                NewSessionError::MetadataError(MetadataError::ConnectionPoolError(
+                    ConnectionPoolError::Broken {
+                        last_connection_error: ConnectionError::ConnectTimeout
+                            | ConnectionError::IoError(_)
+                            | ConnectionError::BrokenConnection(_),
+                    }
+                ))
+            );
+        }
+        if let Some(e) = cause.downcast_ref::<UseKeyspaceError>() {
+            return match e {
+                UseKeyspaceError::RequestError(attempt) => attempt_not_ready(attempt),
+                UseKeyspaceError::RequestTimeout(_) => true,
+                _ => false,
+            };
+        }
+        if let Some(e) = cause.downcast_ref::<PrepareError>() {
+            return prepare_not_ready(e);
+        }
+        if let Some(e) = cause.downcast_ref::<ExecutionError>() {
+            return match e {
+                ExecutionError::ConnectionPoolError(_) | ExecutionError::RequestTimeout(_) => true,
+                ExecutionError::LastAttemptError(attempt) => attempt_not_ready(attempt),
+                ExecutionError::PrepareError(e) => prepare_not_ready(e),
+                ExecutionError::UseKeyspaceError(UseKeyspaceError::RequestError(attempt)) => {
+                    attempt_not_ready(attempt)
+                }
+                _ => false,
+            };
+        }
+        false
+    })
+}
+
+fn prepare_not_ready(e: &scylla::errors::PrepareError) -> bool {
+    use scylla::errors::PrepareError;
+    match e {
+        PrepareError::ConnectionPoolError(_) => true,
+        PrepareError::AllAttemptsFailed { first_attempt } => attempt_not_ready(first_attempt),
+        _ => false,
+    }
+}
+
+fn attempt_not_ready(e: &scylla::errors::RequestAttemptError) -> bool {
+    use scylla::errors::{DbError, RequestAttemptError};
+    match e {
+        RequestAttemptError::BrokenConnectionError(_)
+        | RequestAttemptError::UnableToAllocStreamId => true,
+        RequestAttemptError::DbError(db, _) => matches!(
+            db,
+            DbError::Overloaded
+                | DbError::IsBootstrapping
+                | DbError::Unavailable { .. }
+                | DbError::ReadTimeout { .. }
+                | DbError::WriteTimeout { .. }
+        ),
+        _ => false,
+    }
 }
 
 /// Opens a session (no keyspace selected). Statements that need other levels
@@ -523,10 +581,11 @@ pub struct Store {
 pub const STARTUP_WAIT: Duration = Duration::from_secs(120);
 
 impl Store {
-    /// `open`, trying again every second for up to `STARTUP_WAIT` while no node
-    /// accepts a connection. Anything else (a keyspace `tally migrate` has not
-    /// made, a refused login, a datacenter the cluster lacks) is a setting to
-    /// fix and fails at once.
+    /// `open`, trying again every second for up to `STARTUP_WAIT` while
+    /// Cassandra cannot serve yet (`not_ready`: no node accepts a connection,
+    /// or one is shutting down or starting). Anything else (a keyspace `tally
+    /// migrate` has not made, a refused login, a datacenter the cluster lacks)
+    /// is a setting to fix and fails at once.
     pub async fn open_waiting(
         config: &CassandraConfig,
         key_ttl: Duration,
@@ -534,7 +593,7 @@ impl Store {
         let deadline = std::time::Instant::now() + STARTUP_WAIT;
         loop {
             match Store::open(config, key_ttl).await {
-                Err(e) if unreachable(&e) && std::time::Instant::now() < deadline => {
+                Err(e) if not_ready(&e) && std::time::Instant::now() < deadline => {
                     tracing::warn!(
                         error = format!("{e:#}"),
                         "Cassandra does not answer yet; trying again"
@@ -588,7 +647,36 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use super::check_local_dc;
+    use super::{check_local_dc, not_ready};
+    use scylla::errors::{DbError, RequestAttemptError, UseKeyspaceError};
+
+    fn use_keyspace_failed(db: DbError, message: &str) -> anyhow::Error {
+        anyhow::Error::new(UseKeyspaceError::RequestError(
+            RequestAttemptError::DbError(db, message.into()),
+        ))
+        .context("Keyspace k is not usable; has `tally migrate` run?")
+    }
+
+    #[test]
+    fn a_node_shutting_down_or_starting_is_waited_for() {
+        // What Cassandra 5 answers `USE` with while it shuts down.
+        let e = use_keyspace_failed(DbError::Overloaded, "Server is shutting down");
+        assert!(not_ready(&e), "{e:#}");
+        assert!(not_ready(&use_keyspace_failed(
+            DbError::IsBootstrapping,
+            ""
+        )));
+    }
+
+    #[test]
+    fn a_missing_keyspace_or_a_refused_request_is_a_setting_to_fix() {
+        let missing = use_keyspace_failed(DbError::Invalid, "Keyspace 'k' does not exist");
+        assert!(!not_ready(&missing), "{missing:#}");
+        assert!(!not_ready(&use_keyspace_failed(DbError::Unauthorized, "")));
+        assert!(!not_ready(&anyhow::anyhow!(
+            "the keyspace has no bucket count"
+        )));
+    }
 
     fn dcs(names: &[&str]) -> Vec<String> {
         names.iter().map(|s| (*s).to_owned()).collect()
