@@ -187,11 +187,7 @@ fn not_ready(e: &anyhow::Error) -> bool {
             );
         }
         if let Some(e) = cause.downcast_ref::<UseKeyspaceError>() {
-            return match e {
-                UseKeyspaceError::RequestError(attempt) => attempt_not_ready(attempt),
-                UseKeyspaceError::RequestTimeout(_) => true,
-                _ => false,
-            };
+            return use_keyspace_not_ready(e);
         }
         if let Some(e) = cause.downcast_ref::<PrepareError>() {
             return prepare_not_ready(e);
@@ -201,14 +197,21 @@ fn not_ready(e: &anyhow::Error) -> bool {
                 ExecutionError::ConnectionPoolError(_) | ExecutionError::RequestTimeout(_) => true,
                 ExecutionError::LastAttemptError(attempt) => attempt_not_ready(attempt),
                 ExecutionError::PrepareError(e) => prepare_not_ready(e),
-                ExecutionError::UseKeyspaceError(UseKeyspaceError::RequestError(attempt)) => {
-                    attempt_not_ready(attempt)
-                }
+                ExecutionError::UseKeyspaceError(e) => use_keyspace_not_ready(e),
                 _ => false,
             };
         }
         false
     })
+}
+
+fn use_keyspace_not_ready(e: &scylla::errors::UseKeyspaceError) -> bool {
+    use scylla::errors::UseKeyspaceError;
+    match e {
+        UseKeyspaceError::RequestError(attempt) => attempt_not_ready(attempt),
+        UseKeyspaceError::RequestTimeout(_) => true,
+        _ => false,
+    }
 }
 
 fn prepare_not_ready(e: &scylla::errors::PrepareError) -> bool {
