@@ -1,8 +1,6 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
-
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -12,7 +10,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 fn main() -> ExitCode {
-    let cli = tally::cli::Cli::parse();
+    let cli = tally::cli::Cli::parse_checked();
     tally::telemetry::init(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,

@@ -32,15 +32,15 @@ pub struct RelayConfig {
     /// How old an intent must be before the relay checks it: longer than a
     /// vote may take (its deadline, one request timeout, and counting the
     /// change in the cache), so the relay never overtakes the vote.
-    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "20s", value_parser = humantime::parse_duration)]
+    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "20s", value_parser = crate::cli::values::duration_above_zero)]
     pub settle: Duration,
 
     /// How often the relay makes a pass.
-    #[arg(long = "relay-interval", env = "TALLY_RELAY_INTERVAL", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long = "relay-interval", env = "TALLY_RELAY_INTERVAL", default_value = "2s", value_parser = crate::cli::values::duration_above_zero)]
     pub interval: Duration,
 
     /// How far back a relay with no checkpoint starts.
-    #[arg(long = "relay-horizon", env = "TALLY_RELAY_HORIZON", default_value = "15m", value_parser = humantime::parse_duration)]
+    #[arg(long = "relay-horizon", env = "TALLY_RELAY_HORIZON", default_value = "15m", value_parser = crate::cli::values::duration_above_zero)]
     pub horizon: Duration,
 
     /// Run no relay in this process (another instance must run one).

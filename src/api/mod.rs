@@ -29,6 +29,7 @@ use crate::auth::{AuthConfig, Verifier};
 use crate::bus::publisher::Publisher;
 use crate::cache::{Cache, TtlPolicy};
 use crate::cast::{CastConfig, Caster};
+use crate::cli::values;
 use crate::counts::Counts;
 use crate::ops::{self, Readiness, Stores};
 use crate::reconcile::Reconciler;
@@ -50,36 +51,36 @@ pub struct ApiConfig {
     pub ops_listen: String,
 
     /// HTTP worker threads.
-    #[arg(long, env = "TALLY_WORKERS", default_value_t = 2)]
+    #[arg(long, env = "TALLY_WORKERS", default_value_t = 2, value_parser = values::at_least_one)]
     pub workers: usize,
 
     /// How long an Idempotency-Key and its answer are kept.
-    #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = humantime::parse_duration)]
+    #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = values::duration_above_zero)]
     pub idempotency_ttl: Duration,
 
     /// How long one attempt to publish a transition may take; after that the
     /// relay publishes it from the outbox.
-    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
+    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = values::duration_above_zero)]
     pub publish_timeout: Duration,
 
     /// How long an answer waits for Kafka to acknowledge its transition
     /// (0s: not at all; the transition is already durable with the change,
     /// and the relay publishes what the vote's own task does not).
-    #[arg(long = "publish-wait", env = "TALLY_PUBLISH_WAIT", default_value = "0s", value_parser = humantime::parse_duration)]
+    #[arg(long = "publish-wait", env = "TALLY_PUBLISH_WAIT", default_value = "0s", value_parser = values::duration)]
     pub publish_wait: Duration,
 
     /// Votes per second each user may cast (a token bucket; 429 beyond it).
-    #[arg(long = "user-rate", env = "TALLY_USER_RATE", default_value_t = 20.0)]
+    #[arg(long = "user-rate", env = "TALLY_USER_RATE", default_value_t = 20.0, value_parser = values::per_second)]
     pub user_rate: f64,
 
     /// Burst of votes a user may cast at once.
-    #[arg(long = "user-burst", env = "TALLY_USER_BURST", default_value_t = 60)]
+    #[arg(long = "user-burst", env = "TALLY_USER_BURST", default_value_t = 60, value_parser = values::at_least_one_u32)]
     pub user_burst: u32,
 
     /// Summary reads per second each user may make (a token bucket of its
     /// own; 429 beyond it), so one client's flood of reads cannot crowd out
     /// the others'.
-    #[arg(long = "user-read-rate", env = "TALLY_USER_READ_RATE", default_value_t = 50.0)]
+    #[arg(long = "user-read-rate", env = "TALLY_USER_READ_RATE", default_value_t = 50.0, value_parser = values::per_second)]
     pub user_read_rate: f64,
 
     /// Votes each user may cast in one UTC day (counted in Redis; 429
@@ -93,7 +94,8 @@ pub struct ApiConfig {
     #[arg(
         long = "user-new-targets-rate",
         env = "TALLY_USER_NEW_TARGETS_RATE",
-        default_value_t = 2.0
+        default_value_t = 2.0,
+        value_parser = values::per_second
     )]
     pub user_new_targets_rate: f64,
 
@@ -101,7 +103,8 @@ pub struct ApiConfig {
     #[arg(
         long = "user-new-targets-burst",
         env = "TALLY_USER_NEW_TARGETS_BURST",
-        default_value_t = 100
+        default_value_t = 100,
+        value_parser = values::at_least_one_u32
     )]
     pub user_new_targets_burst: u32,
 
@@ -109,32 +112,32 @@ pub struct ApiConfig {
     pub targets: targets::TargetRules,
 
     /// Burst of summary reads a user may make at once.
-    #[arg(long = "user-read-burst", env = "TALLY_USER_READ_BURST", default_value_t = 100)]
+    #[arg(long = "user-read-burst", env = "TALLY_USER_READ_BURST", default_value_t = 100, value_parser = values::at_least_one_u32)]
     pub user_read_burst: u32,
 
     /// The most votes (and, apart, summaries) processed at once. Below it
     /// the admission limit adapts to latency (`--admission-target`); above
     /// the limit requests wait in a short queue, then are answered 503 with
     /// Retry-After (paced by `--admission-refusal-ratio`).
-    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024)]
+    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024, value_parser = values::at_least_one)]
     pub max_in_flight: usize,
 
     /// The fewest requests of a kind admitted at once, however slow: enough
     /// to keep the stores busy, so that CPU taken by other work (which also
     /// slows votes) cannot shrink the limit to nothing.
-    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 32)]
+    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 32, value_parser = values::at_least_one)]
     pub min_in_flight: usize,
 
     /// While requests of a kind take longer than this on average, fewer are
     /// admitted at once; while they are faster, more.
-    #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "50ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "admission-target", env = "TALLY_ADMISSION_TARGET", default_value = "50ms", value_parser = values::duration_above_zero)]
     pub admission_target: Duration,
 
     /// The shortest a request above the limit may wait for a place before it
     /// is refused: it waits up to two average requests' time when that is
     /// longer, never more than four `--admission-target`s (at most as many
     /// wait as the limit; the rest are refused at once).
-    #[arg(long = "admission-queue-wait", env = "TALLY_ADMISSION_QUEUE_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "admission-queue-wait", env = "TALLY_ADMISSION_QUEUE_WAIT", default_value = "50ms", value_parser = values::duration)]
     pub admission_queue_wait: Duration,
 
     /// Refusals (503) of a kind answered at once per request of that kind
@@ -148,14 +151,14 @@ pub struct ApiConfig {
     pub admission_refusal_ratio: f64,
 
     /// Requests slower than this are logged at WARN, whatever the filter.
-    #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "slow-request", env = "TALLY_SLOW_REQUEST", default_value = "500ms", value_parser = values::duration)]
     pub slow_request: Duration,
 
     /// How long a client may take to send a request's headers, and then a
     /// vote's body. A vote's body is read whole before the vote is admitted,
     /// so a client that trickles it holds no place meant for the others; it
     /// gets 408 when this runs out.
-    #[arg(long = "body-timeout", env = "TALLY_BODY_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long = "body-timeout", env = "TALLY_BODY_TIMEOUT", default_value = "5s", value_parser = values::duration_above_zero)]
     pub body_timeout: Duration,
 
     /// Serve the demo page at /demo (a video and its comments, drawn by the
@@ -176,6 +179,60 @@ pub struct ApiConfig {
     pub cache_ttl: TtlPolicy,
     #[command(flatten)]
     pub stores: Stores,
+}
+
+impl ApiConfig {
+    /// The settings that contradict each other, each of which parsed alone.
+    /// `tally vote` refuses them before it connects to anything.
+    pub fn check(&self) -> Result<(), String> {
+        if self.min_in_flight > self.max_in_flight {
+            return Err(format!(
+                "--min-in-flight {} is above --max-in-flight {}",
+                self.min_in_flight, self.max_in_flight
+            ));
+        }
+        if self.cache_ttl.min > self.cache_ttl.max {
+            return Err(format!(
+                "--cache-ttl-min {} is above --cache-ttl-max {}",
+                shown(self.cache_ttl.min),
+                shown(self.cache_ttl.max)
+            ));
+        }
+        if self.relay.disabled {
+            return Ok(());
+        }
+        // The relay must not look at a vote still in flight: it would take
+        // it for one that never committed, and if the vote's own publish then
+        // failed, only reconcile would count it.
+        let longest_vote = CastConfig::default().deadline
+            + Duration::from_millis(self.stores.cassandra.request_timeout_ms)
+            + self.stores.redis.change_budget();
+        if self.relay.settle <= longest_vote {
+            return Err(format!(
+                "--relay-settle {} is not longer than a vote may take ({}: \
+                 its deadline, one Cassandra request and counting it in the cache)",
+                shown(self.relay.settle),
+                shown(longest_vote)
+            ));
+        }
+        // The relay reads a vote's outcome from its key's record: once that
+        // has expired, a vote that committed looks like one that never did.
+        let reach = self.relay.horizon + self.relay.settle;
+        if self.idempotency_ttl <= reach {
+            return Err(format!(
+                "--idempotency-ttl {} is not longer than the relay looks back \
+                 (--relay-horizon plus --relay-settle, {})",
+                shown(self.idempotency_ttl),
+                shown(reach)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A duration as the command line takes it: 15m 20s, not 920s.
+fn shown(d: Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(d)
 }
 
 /// 0 (off), or a finite ratio of at least 0.1: below that a refusal would
@@ -318,18 +375,6 @@ impl Application {
             },
         );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
-        let longest_vote = CastConfig::default().deadline
-            + Duration::from_millis(config.stores.cassandra.request_timeout_ms)
-            + cache.change_budget();
-        if !config.relay.disabled && config.relay.settle <= longest_vote {
-            // The relay could decide that a vote still in flight never
-            // committed; if its own publish then failed, only reconcile
-            // would count it.
-            tracing::warn!(
-                settle = ?config.relay.settle, longest_vote = ?longest_vote,
-                "--relay-settle is shorter than a vote may take; raise it"
-            );
-        }
         if !config.relay.disabled {
             tokio::spawn(Relay::new(store.clone(), publisher.clone(), config.relay.clone()).run());
         }
@@ -431,7 +476,7 @@ impl Application {
                 .route("/healthz", web::get().to(ops::healthz))
                 .default_service(web::to(not_found))
         })
-        .workers(config.workers.max(1))
+        .workers(config.workers)
         .client_request_timeout(config.body_timeout)
         .shutdown_timeout(10)
         .listen(listener)?

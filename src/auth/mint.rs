@@ -56,7 +56,7 @@ pub struct TokenArgs {
     pub sub: String,
 
     /// How long the token is valid, e.g. `1h`, `30m`, `7d`.
-    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1h", value_parser = crate::cli::values::duration_above_zero)]
     pub ttl: Duration,
 
     /// A role to grant, e.g. `admin` (repeatable).

@@ -76,7 +76,7 @@ pub struct AuthConfig {
     )]
     pub jwks: Option<String>,
 
-    #[arg(long = "jwt-jwks-refresh", env = "TALLY_JWT_JWKS_REFRESH", default_value = "5m", value_parser = humantime::parse_duration)]
+    #[arg(long = "jwt-jwks-refresh", env = "TALLY_JWT_JWKS_REFRESH", default_value = "5m", value_parser = crate::cli::values::duration_above_zero)]
     pub jwks_refresh: std::time::Duration,
 
     /// PEM private key file that `tally token` signs RS256/ES256 tokens with.

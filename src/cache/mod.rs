@@ -61,11 +61,24 @@ pub struct RedisConfig {
 
     /// Longest one cache operation may take, waiting for a connection
     /// included. A Redis that hangs costs a vote or a read this long, no more.
-    #[arg(long = "redis-timeout", env = "TALLY_REDIS_TIMEOUT", default_value = "500ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "redis-timeout", env = "TALLY_REDIS_TIMEOUT", default_value = "500ms", value_parser = crate::cli::values::duration_above_zero)]
     pub timeout: Duration,
 }
 
+/// How long the vote path may spend counting one change, given the deadline
+/// of one Redis call (see `Cache::change_budget`).
+fn change_budget(timeout: Duration) -> Duration {
+    timeout * 2 + Duration::from_secs(1)
+}
+
 impl RedisConfig {
+    /// `Cache::change_budget` of a cache made with these settings, known
+    /// before connecting, so a setting that must outlast a vote can be
+    /// checked against it.
+    pub fn change_budget(&self) -> Duration {
+        change_budget(self.timeout)
+    }
+
     pub fn local(prefix: &str) -> RedisConfig {
         RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
@@ -614,7 +627,7 @@ impl Cache {
     /// How long the vote path may spend counting one change, from its
     /// commit: Redis refuses the change after that (see `apply`).
     pub fn change_budget(&self) -> Duration {
-        self.timeout * 2 + Duration::from_secs(1)
+        change_budget(self.timeout)
     }
 
     /// The moment after which Redis refuses a change counted now: the
@@ -773,11 +786,11 @@ fn push_heads(call: &mut redis::ScriptInvocation<'_>, heads: &Heads) {
 #[derive(clap::Args, Debug, Clone)]
 pub struct TtlPolicy {
     /// Shortest cache TTL, used while the consumer keeps up.
-    #[arg(long = "cache-ttl-min", env = "TALLY_CACHE_TTL_MIN", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long = "cache-ttl-min", env = "TALLY_CACHE_TTL_MIN", default_value = "60s", value_parser = crate::cli::values::duration_above_zero)]
     pub min: Duration,
 
     /// Longest cache TTL, however far the consumer falls behind.
-    #[arg(long = "cache-ttl-max", env = "TALLY_CACHE_TTL_MAX", default_value = "1h", value_parser = humantime::parse_duration)]
+    #[arg(long = "cache-ttl-max", env = "TALLY_CACHE_TTL_MAX", default_value = "1h", value_parser = crate::cli::values::duration_above_zero)]
     pub max: Duration,
 }
 

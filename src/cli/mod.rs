@@ -2,12 +2,13 @@
 
 mod reconcile;
 mod status;
+pub mod values;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::api::{ApiConfig, Application};
 use crate::auth::{self, TokenArgs};
@@ -32,6 +33,25 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// Parses the command line, then refuses settings that contradict each
+    /// other the way clap refuses one bad value: the reason on stderr and
+    /// exit code 2, before anything is connected to.
+    pub fn parse_checked() -> Cli {
+        let cli = Cli::parse();
+        if let Err(reason) = cli.command.check() {
+            let mut root = Cli::command();
+            root.build();
+            let kind = clap::error::ErrorKind::ArgumentConflict;
+            match root.find_subcommand_mut(cli.command.name()) {
+                Some(sub) => sub.error(kind, reason).exit(),
+                None => root.error(kind, reason).exit(),
+            }
+        }
+        cli
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve the HTTP vote API (POST /v1/votes, GET /v1/votes/summary).
@@ -47,6 +67,28 @@ pub enum Command {
     /// One screen of the running service: rates, latencies, lag, outbox,
     /// cache, conflicts, drift and dead letters.
     Status(status::StatusArgs),
+}
+
+impl Command {
+    /// The subcommand's name on the command line.
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Vote(_) => "vote",
+            Command::Consumer(_) => "consumer",
+            Command::Reconcile(_) => "reconcile",
+            Command::Migrate(_) => "migrate",
+            Command::Token(_) => "token",
+            Command::Status(_) => "status",
+        }
+    }
+
+    /// The settings of this subcommand that contradict each other.
+    pub fn check(&self) -> Result<(), String> {
+        match self {
+            Command::Vote(config) => config.check(),
+            _ => Ok(()),
+        }
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -183,5 +225,64 @@ pub async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {}
         () = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_agree_with_each_other() {
+        Cli::command().debug_assert();
+        let names: Vec<String> = Cli::command()
+            .get_subcommands()
+            .map(|c| c.get_name().to_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "vote",
+                "consumer",
+                "reconcile",
+                "migrate",
+                "token",
+                "status"
+            ]
+        );
+        for args in [
+            &["tally", "vote"][..],
+            &["tally", "consumer"],
+            &["tally", "status"],
+        ] {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(cli.command.check(), Ok(()), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn a_vote_without_a_relay_needs_no_settle_longer_than_a_vote() {
+        let check = |args: &[&str]| {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            cli.command.check()
+        };
+        assert!(check(&["tally", "vote", "--relay-settle", "5s"]).is_err());
+        assert_eq!(
+            check(&["tally", "vote", "--relay-settle", "5s", "--no-relay"]),
+            Ok(())
+        );
+        // The relay's reach grows with the settle it is given.
+        assert!(check(&["tally", "vote", "--relay-horizon", "24h"]).is_err());
+        assert_eq!(
+            check(&[
+                "tally",
+                "vote",
+                "--relay-horizon",
+                "24h",
+                "--idempotency-ttl",
+                "25h"
+            ]),
+            Ok(())
+        );
     }
 }

@@ -25,7 +25,7 @@ pub struct ReconcileArgs {
     pub all: bool,
 
     /// With --all: targets checked per second (0 = as fast as possible).
-    #[arg(long, env = "TALLY_RECONCILE_RATE", default_value_t = 100.0)]
+    #[arg(long, env = "TALLY_RECONCILE_RATE", default_value_t = 100.0, value_parser = super::values::per_second_or_unlimited)]
     pub rate: f64,
 
     /// Report drift, write nothing.
@@ -49,13 +49,13 @@ pub struct ReconcileArgs {
     pub restart: bool,
 
     /// With --all: a rolling schedule; start again this long after each complete sweep.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = super::values::duration)]
     pub repeat_every: Option<std::time::Duration>,
 
     /// Rows that changed less than this long ago and are not yet counted are
     /// in flight (the consumer's lag), not drift: they are counted, but they
     /// neither mark a target drifted nor trip --fail-on-drift.
-    #[arg(long, env = "TALLY_RECONCILE_LAG_GRACE", value_parser = humantime::parse_duration,
+    #[arg(long, env = "TALLY_RECONCILE_LAG_GRACE", value_parser = super::values::duration,
           default_value = "60s")]
     pub lag_grace: Duration,
 

@@ -31,7 +31,7 @@ pub struct StatusArgs {
     pub group: String,
 
     /// How long between the two reads that rates and latencies come from.
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1s", value_parser = super::values::duration_above_zero)]
     pub interval: Duration,
 
     /// Print JSON instead of the screen.
@@ -39,7 +39,7 @@ pub struct StatusArgs {
     pub json: bool,
 
     /// Show it again every this long, until Ctrl-C.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = super::values::duration_above_zero)]
     pub watch: Option<Duration>,
 
     #[command(flatten)]

@@ -61,15 +61,15 @@ pub struct ConsumerConfig {
     pub batch_max: u64,
 
     /// Longest a batch waits to fill after its first message.
-    #[arg(long = "batch-wait", env = "TALLY_BATCH_WAIT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    #[arg(long = "batch-wait", env = "TALLY_BATCH_WAIT", default_value = "50ms", value_parser = crate::cli::values::duration)]
     pub batch_wait: Duration,
 
     /// Buckets written concurrently within one batch.
-    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16)]
+    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16, value_parser = crate::cli::values::at_least_one)]
     pub parallelism: usize,
 
     /// How long a stop (SIGTERM) waits for the batch in hand to be written.
-    #[arg(long = "drain-timeout", env = "TALLY_DRAIN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    #[arg(long = "drain-timeout", env = "TALLY_DRAIN_TIMEOUT", default_value = "20s", value_parser = crate::cli::values::duration)]
     pub drain_timeout: Duration,
 
     #[arg(long = "write-mode", env = "TALLY_WRITE_MODE", value_enum, default_value_t = WriteMode::Batched)]

@@ -48,7 +48,8 @@ pub struct CassandraConfig {
     #[arg(
         long = "cassandra-timeout-ms",
         env = "TALLY_CASSANDRA_TIMEOUT_MS",
-        default_value_t = 5000
+        default_value_t = 5000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000)
     )]
     pub request_timeout_ms: u64,
 

@@ -183,3 +183,81 @@ fn a_bad_admission_refusal_ratio_stops_tally_vote_with_what_it_takes() {
         );
     }
 }
+
+/// Settings no operator can mean, alone or together, stop `tally` before it
+/// connects to anything: exit code 2 and the setting named, never a panic.
+/// Some of these used to start: `--relay-interval 0s` panicked the relay's
+/// task and went on serving with no relay, `--rate inf` panicked reconcile,
+/// and `--max-in-flight 0` quietly became 32.
+#[test]
+fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["vote", "--relay-interval", "0s"], "--relay-interval"),
+        (&["vote", "--redis-timeout", "0s"], "--redis-timeout"),
+        (&["vote", "--body-timeout", "100y"], "longer than a year"),
+        (&["vote", "--max-in-flight", "0"], "--max-in-flight"),
+        (&["vote", "--workers", "0"], "--workers"),
+        (&["vote", "--user-rate", "NaN"], "--user-rate"),
+        (&["vote", "--user-burst", "0"], "--user-burst"),
+        (
+            &["vote", "--cassandra-timeout-ms", "0"],
+            "--cassandra-timeout-ms",
+        ),
+        (
+            &["vote", "--min-in-flight", "64", "--max-in-flight", "32"],
+            "--min-in-flight 64 is above --max-in-flight 32",
+        ),
+        (
+            &["vote", "--cache-ttl-min", "2h"],
+            "is above --cache-ttl-max",
+        ),
+        (
+            &["vote", "--relay-settle", "5s"],
+            "not longer than a vote may take",
+        ),
+        (
+            &["vote", "--idempotency-ttl", "10m"],
+            "not longer than the relay looks back",
+        ),
+        (
+            &["consumer", "--write-parallelism", "0"],
+            "--write-parallelism",
+        ),
+        (&["reconcile", "--all", "--rate", "inf"], "--rate"),
+        (&["reconcile", "--all", "--rate", "1e-300"], "--rate"),
+        (&["status", "--interval", "0s"], "--interval"),
+        (&["token", "--sub", "alice", "--ttl", "0s"], "--ttl"),
+    ];
+    for (args, says) in cases {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(*args)
+            .env("TALLY_LISTEN", "127.0.0.1:0")
+            .env("TALLY_OPS_LISTEN", "127.0.0.1:0")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap_or_else(|e| panic!("{e}")) {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("tally {args:?} was still running 20 s after it started");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        if let Some(mut err) = child.stderr.take() {
+            use std::io::Read;
+            let _ = err.read_to_string(&mut stderr);
+        }
+        assert_eq!(status.code(), Some(2), "tally {args:?}: {stderr}");
+        assert!(
+            stderr.contains(says),
+            "tally {args:?} did not say {says:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "tally {args:?}: {stderr}");
+    }
+}
