@@ -38,6 +38,12 @@ use crate::store::Store;
 use error::ApiError;
 
 /// Settings of `tally vote`.
+/// The most HTTP worker threads: each is a thread with a runtime of its own.
+const MOST_WORKERS: usize = 1_024;
+/// The most requests of a kind admitted at once; far more than any store
+/// finishes in time, and within what a semaphore holds.
+const MOST_IN_FLIGHT: usize = 1_000_000;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ApiConfig {
     /// Address to listen on (port 0 picks a free port).
@@ -51,7 +57,7 @@ pub struct ApiConfig {
     pub ops_listen: String,
 
     /// HTTP worker threads.
-    #[arg(long, env = "TALLY_WORKERS", default_value_t = 2, value_parser = values::at_least_one)]
+    #[arg(long, env = "TALLY_WORKERS", default_value_t = 2, value_parser = values::count(MOST_WORKERS))]
     pub workers: usize,
 
     /// How long an Idempotency-Key and its answer are kept.
@@ -119,13 +125,13 @@ pub struct ApiConfig {
     /// the admission limit adapts to latency (`--admission-target`); above
     /// the limit requests wait in a short queue, then are answered 503 with
     /// Retry-After (paced by `--admission-refusal-ratio`).
-    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024, value_parser = values::at_least_one)]
+    #[arg(long = "max-in-flight", env = "TALLY_MAX_IN_FLIGHT", default_value_t = 1024, value_parser = values::count(MOST_IN_FLIGHT))]
     pub max_in_flight: usize,
 
     /// The fewest requests of a kind admitted at once, however slow: enough
     /// to keep the stores busy, so that CPU taken by other work (which also
     /// slows votes) cannot shrink the limit to nothing.
-    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 32, value_parser = values::at_least_one)]
+    #[arg(long = "min-in-flight", env = "TALLY_MIN_IN_FLIGHT", default_value_t = 32, value_parser = values::count(MOST_IN_FLIGHT))]
     pub min_in_flight: usize,
 
     /// While requests of a kind take longer than this on average, fewer are

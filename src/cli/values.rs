@@ -56,19 +56,27 @@ pub fn per_second_or_unlimited(s: &str) -> Result<f64, String> {
     }
 }
 
-/// A count from 1 up: of places, connections, threads or tokens, where 0
-/// would admit nothing or never run.
-pub fn at_least_one(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("expected a whole number of at least 1, not {s:?}")),
+/// A count from 1 to `most`: of places, threads or writes at once, where 0
+/// would admit nothing or never run, and a count past `most` would ask for
+/// more threads or permits than a process can hold.
+pub fn count(most: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync {
+    move |s: &str| match s.trim().parse::<usize>() {
+        Ok(n) if (1..=most).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a whole number from 1 to {most}, not {s:?}"
+        )),
     }
 }
 
-/// A count of at least one that fits a `u32`.
+/// A count of tokens from 1 up, where 0 would let nothing through.
 pub fn at_least_one_u32(s: &str) -> Result<u32, String> {
-    let n = at_least_one(s)?;
-    u32::try_from(n).map_err(|_| format!("{s:?} is more than {}", u32::MAX))
+    match s.trim().parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "expected a whole number from 1 to {}, not {s:?}",
+            u32::MAX
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -114,12 +122,16 @@ mod tests {
     }
 
     #[test]
-    fn a_count_starts_at_one() {
-        assert_eq!(at_least_one("1"), Ok(1));
-        assert_eq!(at_least_one_u32("60"), Ok(60));
-        for bad in ["0", "-3", "1.5", "many", ""] {
-            assert!(at_least_one(bad).is_err(), "{bad:?} taken");
+    fn a_count_starts_at_one_and_ends_at_its_most() {
+        let places = count(1_000);
+        assert_eq!(places("1"), Ok(1));
+        assert_eq!(places("1000"), Ok(1_000));
+        for bad in ["0", "-3", "1.5", "many", "", "1001", "18446744073709551615"] {
+            assert!(places(bad).is_err(), "{bad:?} taken");
         }
-        assert!(at_least_one_u32("4294967296").is_err());
+        assert_eq!(at_least_one_u32("60"), Ok(60));
+        for bad in ["0", "4294967296"] {
+            assert!(at_least_one_u32(bad).is_err(), "{bad:?} taken");
+        }
     }
 }

@@ -65,7 +65,7 @@ pub struct ConsumerConfig {
     pub batch_wait: Duration,
 
     /// Buckets written concurrently within one batch.
-    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16, value_parser = crate::cli::values::at_least_one)]
+    #[arg(long = "write-parallelism", env = "TALLY_WRITE_PARALLELISM", default_value_t = 16, value_parser = crate::cli::values::count(4_096))]
     pub parallelism: usize,
 
     /// How long a stop (SIGTERM) waits for the batch in hand to be written.

@@ -196,6 +196,10 @@ fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
         (&["vote", "--redis-timeout", "0s"], "--redis-timeout"),
         (&["vote", "--body-timeout", "100y"], "longer than a year"),
         (&["vote", "--max-in-flight", "0"], "--max-in-flight"),
+        (
+            &["vote", "--max-in-flight", "18446744073709551615"],
+            "--max-in-flight",
+        ),
         (&["vote", "--workers", "0"], "--workers"),
         (&["vote", "--user-rate", "NaN"], "--user-rate"),
         (&["vote", "--user-burst", "0"], "--user-burst"),
