@@ -38,6 +38,10 @@ use crate::store::Store;
 use error::ApiError;
 
 /// Settings of `tally vote`.
+/// The longest a publish may wait for Kafka's acknowledgement: far past any
+/// outage a vote should wait out, and within librdkafka's 32-bit milliseconds.
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
 /// The most HTTP worker threads: each is a thread with a runtime of its own.
 const MOST_WORKERS: usize = 1_024;
 /// The most requests of a kind admitted at once; far more than any store
@@ -61,12 +65,12 @@ pub struct ApiConfig {
     pub workers: usize,
 
     /// How long an Idempotency-Key and its answer are kept.
-    #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = values::duration_above_zero)]
+    #[arg(long = "idempotency-ttl", env = "TALLY_IDEMPOTENCY_TTL", default_value = "24h", value_parser = values::duration_within(values::SECOND, values::LONGEST))]
     pub idempotency_ttl: Duration,
 
     /// How long one attempt to publish a transition may take; after that the
     /// relay publishes it from the outbox.
-    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = values::duration_above_zero)]
+    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = values::duration_within(Duration::from_millis(10), DAY))]
     pub publish_timeout: Duration,
 
     /// How long an answer waits for Kafka to acknowledge its transition
@@ -482,7 +486,7 @@ impl Application {
                 .route("/healthz", web::get().to(ops::healthz))
                 .default_service(web::to(not_found))
         })
-        .workers(config.workers)
+        .workers(config.workers.max(1))
         .client_request_timeout(config.body_timeout)
         .shutdown_timeout(10)
         .listen(listener)?

@@ -12,6 +12,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{IntoConnectionInfo, Script};
 
 use crate::bus::{KafkaConfig, lag};
+use crate::cli::values;
 use crate::domain::reaction::N_COUNTED;
 use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, Totals, UserId};
 use crate::secret::Secret;
@@ -61,7 +62,7 @@ pub struct RedisConfig {
 
     /// Longest one cache operation may take, waiting for a connection
     /// included. A Redis that hangs costs a vote or a read this long, no more.
-    #[arg(long = "redis-timeout", env = "TALLY_REDIS_TIMEOUT", default_value = "500ms", value_parser = crate::cli::values::duration_above_zero)]
+    #[arg(long = "redis-timeout", env = "TALLY_REDIS_TIMEOUT", default_value = "500ms", value_parser = values::duration_above_zero)]
     pub timeout: Duration,
 }
 
@@ -786,11 +787,11 @@ fn push_heads(call: &mut redis::ScriptInvocation<'_>, heads: &Heads) {
 #[derive(clap::Args, Debug, Clone)]
 pub struct TtlPolicy {
     /// Shortest cache TTL, used while the consumer keeps up.
-    #[arg(long = "cache-ttl-min", env = "TALLY_CACHE_TTL_MIN", default_value = "60s", value_parser = crate::cli::values::duration_above_zero)]
+    #[arg(long = "cache-ttl-min", env = "TALLY_CACHE_TTL_MIN", default_value = "60s", value_parser = values::duration_within(values::SECOND, values::LONGEST))]
     pub min: Duration,
 
     /// Longest cache TTL, however far the consumer falls behind.
-    #[arg(long = "cache-ttl-max", env = "TALLY_CACHE_TTL_MAX", default_value = "1h", value_parser = crate::cli::values::duration_above_zero)]
+    #[arg(long = "cache-ttl-max", env = "TALLY_CACHE_TTL_MAX", default_value = "1h", value_parser = values::duration_within(values::SECOND, values::LONGEST))]
     pub max: Duration,
 }
 

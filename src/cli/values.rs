@@ -8,9 +8,12 @@
 
 use std::time::Duration;
 
+/// The shortest TTL: stores keep TTLs in whole seconds.
+pub const SECOND: Duration = Duration::from_secs(1);
+
 /// The longest duration any setting takes. Clocks plus a duration must not
 /// overflow, and nothing here is meant to wait for more than a year.
-const LONGEST: Duration = Duration::from_secs(366 * 24 * 3600);
+pub const LONGEST: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// A duration of at most a year, zero allowed (zero means "do not wait").
 pub fn duration(s: &str) -> Result<Duration, String> {
@@ -32,9 +35,30 @@ pub fn duration_above_zero(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// The slowest and fastest rates a per-second setting takes. Below the
-/// slowest, the wait a client is told to make overflows a duration; above the
-/// fastest is no limit in all but name.
+/// A duration from `least` to `most`, for a setting a library bounds (a
+/// Kafka delivery timeout must exceed the producer's linger and fit its
+/// 32-bit milliseconds) or a store keeps in whole seconds (a TTL under a
+/// second would be rounded to nothing).
+pub fn duration_within(
+    least: Duration,
+    most: Duration,
+) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
+    move |s: &str| {
+        let d = duration(s)?;
+        if d < least || d > most {
+            return Err(format!(
+                "{s:?} is not from {} to {}",
+                humantime::format_duration(least),
+                humantime::format_duration(most)
+            ));
+        }
+        Ok(d)
+    }
+}
+
+/// The slowest and fastest rates a per-second setting takes: a vote or a
+/// sweep less often than every 1,000 s is a limit no one means, and above
+/// the fastest is no limit in all but name (0 says that where it is allowed).
 const SLOWEST: f64 = 0.001;
 const FASTEST: f64 = 1e9;
 
@@ -102,6 +126,20 @@ mod tests {
                 Ok(d) => panic!("{bad:?} taken as {d:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_bounded_duration_names_its_bounds() {
+        let ttl = duration_within(Duration::from_secs(1), Duration::from_secs(3600));
+        assert_eq!(ttl("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(ttl("1h"), Ok(Duration::from_secs(3600)));
+        for bad in ["500ms", "0s", "61m", "soon"] {
+            assert!(ttl(bad).is_err(), "{bad:?} taken");
+        }
+        assert_eq!(
+            ttl("999ms"),
+            Err("\"999ms\" is not from 1s to 1h".to_owned())
+        );
     }
 
     #[test]

@@ -215,6 +215,8 @@ fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
             &["vote", "--cache-ttl-min", "2h"],
             "is above --cache-ttl-max",
         ),
+        (&["vote", "--cache-ttl-min", "500ms"], "--cache-ttl-min"),
+        (&["vote", "--publish-timeout", "1ms"], "--publish-timeout"),
         (
             &["vote", "--relay-settle", "5s"],
             "not longer than a vote may take",
