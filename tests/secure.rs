@@ -29,8 +29,12 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
 
     let (port, ops) = (free_port(), free_port());
     let base = format!("http://127.0.0.1:{port}");
+    // What each process prints goes to a file, so a start that fails says why.
+    let log_of =
+        |role: &str| std::env::temp_dir().join(format!("tally-secure-{}-{role}.log", env.id));
     let spawn = |role: &str, args: &[&str]| {
         let mut cmd = env.tally();
+        let log = std::fs::File::create(log_of(role)).unwrap_or_else(|e| panic!("{e}"));
         cmd.arg(role)
             .args(args)
             .envs(secure_vars(role))
@@ -38,17 +42,17 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
             .env("TALLY_CACHE_TTL_MIN", "3s")
             .env("TALLY_CACHE_TTL_MAX", "5s")
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(log);
         Proc(cmd.spawn().unwrap_or_else(|e| panic!("{e}")))
     };
     let listen = (
         format!("--listen=127.0.0.1:{port}"),
         format!("--ops-listen=127.0.0.1:{ops}"),
     );
-    let _vote = spawn("vote", &[&listen.0, &listen.1]);
+    let mut vote = spawn("vote", &[&listen.0, &listen.1]);
     let _consumer = spawn("consumer", &[]);
     let client = reqwest::Client::new();
-    support::wait_until_healthy(&client, &base, Duration::from_secs(90)).await;
+    until_serving(&client, &base, &mut vote, &log_of("vote")).await;
 
     // Votes from 12 users on 3 targets, some changed and taken back.
     let targets = ["video_s1", "video_s2", "video_s3"];
@@ -229,7 +233,40 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
             }
         }
     }
+    drop((vote, _consumer));
+    for role in ["vote", "consumer"] {
+        let _ = std::fs::remove_file(log_of(role));
+    }
     Ok(())
+}
+
+/// Waits up to 90 s for `tally vote` to answer `/healthz`. If it exits
+/// first, or the time runs out, fails with the end of what it printed.
+async fn until_serving(
+    client: &reqwest::Client,
+    base: &str,
+    vote: &mut Proc,
+    log: &std::path::Path,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let answered = client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if answered {
+            return;
+        }
+        let exited = vote.0.try_wait().ok().flatten();
+        if exited.is_some() || tokio::time::Instant::now() > deadline {
+            let printed = std::fs::read_to_string(log).unwrap_or_default();
+            let lines: Vec<&str> = printed.lines().collect();
+            let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+            panic!("tally vote did not answer within 90 s (exit: {exited:?}); it printed:\n{tail}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The test's Kafka settings as one role of the secure stack.
