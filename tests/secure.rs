@@ -248,25 +248,32 @@ async fn until_serving(
     vote: &mut Proc,
     log: &std::path::Path,
 ) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    loop {
-        let answered = client
-            .get(format!("{base}/healthz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if answered {
-            return;
-        }
-        let exited = vote.0.try_wait().ok().flatten();
-        if exited.is_some() || tokio::time::Instant::now() > deadline {
-            let printed = std::fs::read_to_string(log).unwrap_or_default();
-            let lines: Vec<&str> = printed.lines().collect();
-            let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-            panic!("tally vote did not answer within 90 s (exit: {exited:?}); it printed:\n{tail}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // `Some(None)`: serving; `Some(Some(status))`: exited first.
+    let waited = tokio::time::timeout(
+        Duration::from_secs(90),
+        eventually("tally vote to answer or exit", Duration::MAX, || {
+            let exited = vote.0.try_wait().ok().flatten();
+            async move {
+                if support::answers_healthz(client, base).await {
+                    Some(None)
+                } else {
+                    exited.map(Some)
+                }
+            }
+        }),
+    )
+    .await;
+    let exited = match waited {
+        Ok(None) => return,
+        Ok(Some(status)) => Some(status),
+        Err(_) => None,
+    };
+    let printed = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = printed.lines().collect();
+    let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+    panic!(
+        "tally vote never answered /healthz (exit: {exited:?}; None is 90 s passed); it printed:\n{tail}"
+    );
 }
 
 /// The test's Kafka settings as one role of the secure stack.

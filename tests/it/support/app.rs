@@ -225,15 +225,18 @@ pub async fn wait_until_healthy(
     deadline: std::time::Duration,
 ) {
     super::eventually("tally vote to answer", deadline, || async {
-        client
-            .get(format!("{base}/healthz"))
-            .send()
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-            .map(|_| ())
+        answers_healthz(client, base).await.then_some(())
     })
     .await;
+}
+
+/// Whether a `tally vote` process at `base` answers `/healthz` now.
+pub async fn answers_healthz(client: &reqwest::Client, base: &str) -> bool {
+    client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
 }
 
 pub fn new_key() -> String {
