@@ -14,6 +14,12 @@
 # the script ends. Without it a storm of connections takes its CPU from the
 # service it measures. Any other TALLY_* setting in the environment (say
 # TALLY_ADMISSION_REFUSAL_RATIO=0) reaches `tally vote`.
+#
+# TALLY_WRK_CONSUMER=1 runs `tally consumer` (the same BINARY) beside it, adds
+# its CPU and Kafka's per request, and after the loop prints the lag it left
+# and how long it took to count it (at most 120 s). TALLY_WRK_WARM=1 reads
+# every target's count once before the warm-up, as the pages voters come from
+# would, so that votes do not pay the cache's first fill.
 set -euo pipefail
 BIN=$1; KIND=$2; SECS=${3:-10}; CONNS=${4:-32}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -27,8 +33,20 @@ fi
 unpin() { for p in ${STACK_PIDS:-}; do taskset -a -pc "0-$(( $(nproc) - 1 ))" "$p" >/dev/null 2>&1 || true; done; }
 "${SERVER[@]}" "$BIN" vote 2>"$STATE/vote.log" &
 PID=$!
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; unpin' EXIT
+CONSUMER=
+if [ "${TALLY_WRK_CONSUMER:-}" = 1 ]; then
+    TALLY_CONSUMER_LISTEN=127.0.0.1:19091 "${SERVER[@]}" "$BIN" consumer 2>"$STATE/consumer.log" &
+    CONSUMER=$!
+fi
+trap 'kill $PID $CONSUMER 2>/dev/null; wait $PID $CONSUMER 2>/dev/null || true; unpin' EXIT
 for _ in $(seq 1 150); do curl -sf http://127.0.0.1:19090/readyz >/dev/null && break; sleep 0.2; done
+if [ "${TALLY_WRK_WARM:-}" = 1 ]; then
+    token=$(head -1 "$WRK_TOKENS")
+    for page in $(seq 0 199); do
+        ids=$(seq $((page * 50)) $((page * 50 + 49)) | sed 's/^/t/' | paste -sd,)
+        curl -sf -o /dev/null -H "Authorization: Bearer $token" "http://127.0.0.1:18080/v1/votes/summary?target_ids=$ids"
+    done
+fi
 "${CLIENT[@]}" wrk -t1 -c"$CONNS" -d3s -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >/dev/null
 cpu() { awk '{print $14 + $15}' "/proc/${1:-$PID}/stat"; }
 # Cassandra's CPU too: on one machine the store's cost per request is what
@@ -39,9 +57,18 @@ REDIS=$(cat "$HERE/../../.stack/run/redis.pid" 2>/dev/null || echo $$)
 # And the machine's busy time (user, nice, system, irq, softirq), which on
 # shared cores is what bounds a rate.
 busy() { awk '$1 == "cpu" {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
-t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy)
+# And, with the consumer, its own and Kafka's: a transition is produced by
+# the vote, fetched by the consumer, and both cost the broker.
+KAFKA=$(cat "$HERE/../../.stack/run/kafka.pid" 2>/dev/null || echo $$)
+COUNTER=${CONSUMER:-$$}
+lag() { curl -sf http://127.0.0.1:19091/metrics | awk '/^tally_consumer_lag_messages/ {s += $NF} END {print s + 0}'; }
+if [ -n "$CONSUMER" ]; then
+    # The warm-up's votes counted first, so the loop starts with none behind.
+    for _ in $(seq 1 240); do [ "$(lag)" = 0 ] && break; sleep 0.5; done
+fi
+t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy); k0=$(cpu "$KAFKA"); n0=$(cpu "$COUNTER")
 "${CLIENT[@]}" wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
-t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy)
+t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy); k1=$(cpu "$KAFKA"); n1=$(cpu "$COUNTER")
 requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
 refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
 ticks=$(getconf CLK_TCK)
@@ -52,5 +79,13 @@ printf '%s %s: %s req/s, goodput %s/s, p50 %s, p99 %s, non-2xx %s, tally CPU per
     "$(awk '$1 == "50%" {print $2}' "$STATE/wrk.out")" "$(awk '$1 == "99%" {print $2}' "$STATE/wrk.out")" \
     "${refused:-0}" "$(( (t1 - t0) * 1000000 / ticks / requests ))" "$(( (c1 - c0) * 1000000 / ticks / requests ))" \
     "$(( (r1 - r0) * 1000000 / ticks / requests ))" "$(( (m1 - m0) * 1000000 / ticks / requests ))"
+if [ -n "$CONSUMER" ]; then
+    printf 'consumer CPU per request %s us, kafka %s us; ' \
+        "$(( (n1 - n0) * 1000000 / ticks / requests ))" "$(( (k1 - k0) * 1000000 / ticks / requests ))"
+    left=$(lag); start=$(date +%s%N)
+    for _ in $(seq 1 240); do [ "$(lag)" = 0 ] && break; sleep 0.5; done
+    printf 'the consumer was %s transitions behind at the end and counted them in %s ms (lag now %s)\n' \
+        "$left" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(lag)"
+fi
 # What the API saw: its Paxos outcomes and its admission, to explain a figure.
 curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true

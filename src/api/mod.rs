@@ -70,7 +70,7 @@ pub struct ApiConfig {
 
     /// How long one attempt to publish a transition may take; after that the
     /// relay publishes it from the outbox.
-    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = values::duration_within(Duration::from_millis(10), DAY))]
+    #[arg(long = "publish-timeout", env = "TALLY_PUBLISH_TIMEOUT", default_value = "3s", value_parser = values::duration_within(crate::bus::publisher::SHORTEST_TIMEOUT, DAY))]
     pub publish_timeout: Duration,
 
     /// How long an answer waits for Kafka to acknowledge its transition

@@ -14,6 +14,18 @@ use crate::domain::Transition;
 /// Header carrying the id of the HTTP request that caused a message.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// How long the producer holds a transition to send it with the others of
+/// those milliseconds. Under load it puts several votes in one produce
+/// request: with 2 ms a vote was a request of its own or nearly, and with
+/// the consumer's fetches (`bus::source`) that cost the broker about a third
+/// more CPU per vote (BENCHMARKS.md, section 19). The answer does not wait
+/// for it (`--publish-wait 0s`).
+pub const LINGER: Duration = Duration::from_millis(10);
+
+/// The shortest publish timeout: librdkafka refuses one that is not longer
+/// than the linger, and one barely longer would fail most publishes.
+pub const SHORTEST_TIMEOUT: Duration = Duration::from_millis(50);
+
 #[derive(Clone)]
 pub struct Publisher {
     producer: FutureProducer,
@@ -29,7 +41,7 @@ impl Publisher {
             .client()
             .set("enable.idempotence", "true")
             .set("acks", "all")
-            .set("linger.ms", "2")
+            .set("linger.ms", LINGER.as_millis().to_string())
             .set(
                 "message.timeout.ms",
                 delivery_timeout.as_millis().max(1).to_string(),

@@ -43,6 +43,13 @@ impl Received {
     }
 }
 
+/// What the broker gathers before it answers a fetch, unless the fetch's
+/// wait runs out first: about 200 transitions. With librdkafka's default of
+/// one byte, a broker under a steady stream of votes answers a fetch as soon
+/// as a transition arrives, so the consumer fetched about as often as the
+/// votes were produced (BENCHMARKS.md, section 19).
+const FETCH_MIN_BYTES: usize = 64 * 1024;
+
 /// A member of the consumer group on the transitions topic.
 #[derive(Clone)]
 pub struct Source {
@@ -52,8 +59,13 @@ pub struct Source {
 
 impl Source {
     /// Joins `group` and subscribes to the transitions topic, reading from
-    /// the earliest offset when the group has committed none.
-    pub fn join(config: &KafkaConfig, group: &str) -> anyhow::Result<Source> {
+    /// the earliest offset when the group has committed none. The broker
+    /// holds a fetch for up to `fetch_wait` (the consumer's own wait for a
+    /// batch to fill) until it has `FETCH_MIN_BYTES` to send: at least 10 ms,
+    /// since an idle broker answers a fetch with no wait at once and the
+    /// consumer would ask again without pause, and at most librdkafka's
+    /// default of 500 ms, which stays clear of its socket timeout.
+    pub fn join(config: &KafkaConfig, group: &str, fetch_wait: Duration) -> anyhow::Result<Source> {
         let consumer: StreamConsumer = config
             .client()
             .set("group.id", group)
@@ -63,6 +75,14 @@ impl Source {
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", "10000")
             .set("heartbeat.interval.ms", "1000")
+            .set(
+                "fetch.wait.max.ms",
+                fetch_wait
+                    .clamp(Duration::from_millis(10), Duration::from_millis(500))
+                    .as_millis()
+                    .to_string(),
+            )
+            .set("fetch.min.bytes", FETCH_MIN_BYTES.to_string())
             .create()
             .context("Failed to create the Kafka consumer")?;
         consumer

@@ -285,4 +285,16 @@ mod tests {
             Ok(())
         );
     }
+
+    #[test]
+    fn a_publish_timeout_must_outlast_the_producers_linger() {
+        let parse = |t: &str| Cli::try_parse_from(["tally", "vote", "--publish-timeout", t]);
+        assert!(
+            parse("10ms").is_err(),
+            "librdkafka refuses a timeout within its linger"
+        );
+        assert!(parse("49ms").is_err());
+        assert!(parse("50ms").is_ok());
+        assert!(crate::bus::publisher::LINGER < crate::bus::publisher::SHORTEST_TIMEOUT);
+    }
 }

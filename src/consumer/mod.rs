@@ -132,7 +132,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let store =
         Arc::new(Store::open_waiting(&config.stores.cassandra, Duration::from_secs(1)).await?);
-    let source = Source::join(&config.stores.kafka, &config.group)?;
+    let source = Source::join(&config.stores.kafka, &config.group, config.batch_wait)?;
     let dead_letters = DeadLetters::new(&config.stores.kafka)?;
     let cache = Cache::new(&config.stores.redis, config.cache_ttl.min)?;
     // A wrong password or CA is a setting to fix, not an outage to ride out.
