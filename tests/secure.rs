@@ -52,7 +52,17 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
     let mut vote = spawn("vote", &[&listen.0, &listen.1]);
     let _consumer = spawn("consumer", &[]);
     let client = reqwest::Client::new();
-    until_serving(&client, &base, &mut vote, &log_of("vote")).await;
+    if let Err(e) = support::until_serving(
+        &client,
+        &base,
+        &mut vote,
+        &log_of("vote"),
+        Duration::from_secs(90),
+    )
+    .await
+    {
+        panic!("{e}");
+    }
 
     // Votes from 12 users on 3 targets, some changed and taken back.
     let targets = ["video_s1", "video_s2", "video_s3"];
@@ -238,42 +248,6 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
         let _ = std::fs::remove_file(log_of(role));
     }
     Ok(())
-}
-
-/// Waits up to 90 s for `tally vote` to answer `/healthz`. If it exits
-/// first, or the time runs out, fails with the end of what it printed.
-async fn until_serving(
-    client: &reqwest::Client,
-    base: &str,
-    vote: &mut Proc,
-    log: &std::path::Path,
-) {
-    // `Some(None)`: serving; `Some(Some(status))`: exited first.
-    let waited = tokio::time::timeout(
-        Duration::from_secs(90),
-        eventually("tally vote to answer or exit", Duration::MAX, || {
-            let exited = vote.0.try_wait().ok().flatten();
-            async move {
-                if support::answers_healthz(client, base).await {
-                    Some(None)
-                } else {
-                    exited.map(Some)
-                }
-            }
-        }),
-    )
-    .await;
-    let exited = match waited {
-        Ok(None) => return,
-        Ok(Some(status)) => Some(status),
-        Err(_) => None,
-    };
-    let printed = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = printed.lines().collect();
-    let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-    panic!(
-        "tally vote never answered /healthz (exit: {exited:?}; None is 90 s passed); it printed:\n{tail}"
-    );
 }
 
 /// The test's Kafka settings as one role of the secure stack.

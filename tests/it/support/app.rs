@@ -193,29 +193,113 @@ impl TestEnv {
     /// A `tally vote` process of its own over this test's stores, as
     /// another instance is in production (its own metrics, caches and
     /// hints), once it answers `/healthz`. `configure` adds to its
-    /// environment; dropping the `Proc` kills it.
+    /// environment; dropping the `Proc` kills it. A free port can be taken
+    /// by someone else before the process binds it: then it starts again on
+    /// others, up to three times. Any other start that fails panics with
+    /// what the process printed.
     pub async fn spawn_vote_process(
         &self,
-        configure: impl FnOnce(&mut std::process::Command),
+        configure: impl Fn(&mut std::process::Command),
     ) -> std::io::Result<(super::Proc, TestApp)> {
-        let (port, ops) = (super::free_port(), super::free_port());
-        let mut cmd = self.tally();
-        cmd.arg("vote")
-            .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
-            .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"))
-            .env("TALLY_JWT_SECRET", JWT_SECRET)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        configure(&mut cmd);
-        let process = super::Proc(cmd.spawn()?);
-        let app = TestApp {
-            address: format!("http://127.0.0.1:{port}"),
-            ops: format!("http://127.0.0.1:{ops}"),
-            client: reqwest::Client::new(),
-        };
-        wait_until_healthy(&app.client, &app.address, Duration::from_secs(60)).await;
-        Ok((process, app))
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let (port, ops) = (super::free_port(), super::free_port());
+            let log = std::env::temp_dir().join(format!("tally-vote-{}-{port}.log", self.id));
+            let mut cmd = self.tally();
+            cmd.arg("vote")
+                .env("TALLY_LISTEN", format!("127.0.0.1:{port}"))
+                .env("TALLY_OPS_LISTEN", format!("127.0.0.1:{ops}"))
+                .env("TALLY_JWT_SECRET", JWT_SECRET)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(&log)?);
+            configure(&mut cmd);
+            let mut process = super::Proc(cmd.spawn()?);
+            let app = TestApp {
+                address: format!("http://127.0.0.1:{port}"),
+                ops: format!("http://127.0.0.1:{ops}"),
+                client: reqwest::Client::new(),
+            };
+            let started = until_serving(
+                &app.client,
+                &app.address,
+                &mut process,
+                &log,
+                Duration::from_secs(60),
+            )
+            .await;
+            let _ = std::fs::remove_file(&log);
+            match started {
+                Ok(()) => return Ok((process, app)),
+                Err(e)
+                    if e.exit.is_some() && e.printed.contains("Failed to listen") && tries < 3 =>
+                {
+                    eprintln!("tally vote lost its port; starting it on others: {e}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
+}
+
+/// How a `tally vote` process that never answered `/healthz` ended.
+#[derive(Debug)]
+pub struct NotServing {
+    /// Its exit status; `None` when the time ran out first.
+    pub exit: Option<std::process::ExitStatus>,
+    /// The last lines it printed.
+    pub printed: String,
+}
+
+impl std::fmt::Display for NotServing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.exit {
+            Some(status) => write!(
+                f,
+                "tally vote exited ({status}) before it answered /healthz"
+            )?,
+            None => write!(f, "tally vote did not answer /healthz in time")?,
+        }
+        write!(f, "; it printed:\n{}", self.printed)
+    }
+}
+
+/// Waits up to `deadline` for the `tally vote` process `vote` to answer
+/// `/healthz` at `base`, and stops waiting as soon as it exits. What it
+/// printed to `log` says why it did not serve.
+pub async fn until_serving(
+    client: &reqwest::Client,
+    base: &str,
+    vote: &mut super::Proc,
+    log: &std::path::Path,
+    deadline: Duration,
+) -> Result<(), NotServing> {
+    // `Some(None)`: serving; `Some(Some(status))`: exited first.
+    let waited = tokio::time::timeout(
+        deadline,
+        super::eventually("tally vote to answer or exit", Duration::MAX, || {
+            let exited = vote.0.try_wait().ok().flatten();
+            async move {
+                if answers_healthz(client, base).await {
+                    Some(None)
+                } else {
+                    exited.map(Some)
+                }
+            }
+        }),
+    )
+    .await;
+    let exit = match waited {
+        Ok(None) => return Ok(()),
+        Ok(Some(status)) => Some(status),
+        Err(_) => None,
+    };
+    let printed = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = printed.lines().collect();
+    Err(NotServing {
+        exit,
+        printed: lines[lines.len().saturating_sub(20)..].join("\n"),
+    })
 }
 
 /// Waits until a `tally vote` process at `base` answers `/healthz`.
