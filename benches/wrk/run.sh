@@ -62,9 +62,11 @@ busy() { awk '$1 == "cpu" {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
 KAFKA=$(cat "$HERE/../../.stack/run/kafka.pid" 2>/dev/null || echo $$)
 COUNTER=${CONSUMER:-$$}
 lag() { curl -sf http://127.0.0.1:19091/metrics | awk '/^tally_consumer_lag_messages/ {s += $NF} END {print s + 0}'; }
+# Polls until the consumer is behind by nothing, for at most 120 s.
+until_counted() { for _ in $(seq 1 240); do [ "$(lag)" = 0 ] && break; sleep 0.5; done; }
 if [ -n "$CONSUMER" ]; then
     # The warm-up's votes counted first, so the loop starts with none behind.
-    for _ in $(seq 1 240); do [ "$(lag)" = 0 ] && break; sleep 0.5; done
+    until_counted
 fi
 t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy); k0=$(cpu "$KAFKA"); n0=$(cpu "$COUNTER")
 "${CLIENT[@]}" wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
@@ -83,7 +85,7 @@ if [ -n "$CONSUMER" ]; then
     printf 'consumer CPU per request %s us, kafka %s us; ' \
         "$(( (n1 - n0) * 1000000 / ticks / requests ))" "$(( (k1 - k0) * 1000000 / ticks / requests ))"
     left=$(lag); start=$(date +%s%N)
-    for _ in $(seq 1 240); do [ "$(lag)" = 0 ] && break; sleep 0.5; done
+    until_counted
     printf 'the consumer was %s transitions behind at the end and counted them in %s ms (lag now %s)\n' \
         "$left" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(lag)"
 fi

@@ -315,7 +315,7 @@ pub async fn wait_until_healthy(
 }
 
 /// Whether a `tally vote` process at `base` answers `/healthz` now.
-pub async fn answers_healthz(client: &reqwest::Client, base: &str) -> bool {
+async fn answers_healthz(client: &reqwest::Client, base: &str) -> bool {
     client
         .get(format!("{base}/healthz"))
         .send()

@@ -27,9 +27,7 @@ mod truth;
 
 use std::time::Duration;
 
-pub use app::{
-    Reply, TestApp, answers_healthz, new_key, post_vote, token, until_serving, wait_until_healthy,
-};
+pub use app::{Reply, TestApp, new_key, post_vote, token, until_serving, wait_until_healthy};
 pub use env::{CLUSTER_HOSTS, TEST_BUCKETS, TEST_PARTITIONS, TestEnv, secure_vars};
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
