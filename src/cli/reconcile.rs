@@ -48,8 +48,10 @@ pub struct ReconcileArgs {
     #[arg(long)]
     pub restart: bool,
 
-    /// With --all: a rolling schedule; start again this long after each complete sweep.
-    #[arg(long, value_parser = super::values::duration)]
+    /// With --all: a rolling schedule; start again this long after each
+    /// complete sweep. Above zero: a sweep of an empty keyspace ends at once,
+    /// and zero would read it again without pause.
+    #[arg(long, value_parser = super::values::duration_above_zero)]
     pub repeat_every: Option<std::time::Duration>,
 
     /// Rows that changed less than this long ago and are not yet counted are

@@ -231,6 +231,10 @@ fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
         ),
         (&["reconcile", "--all", "--rate", "inf"], "--rate"),
         (&["reconcile", "--all", "--rate", "1e-300"], "--rate"),
+        (
+            &["reconcile", "--all", "--repeat-every", "0s"],
+            "--repeat-every",
+        ),
         (&["status", "--interval", "0s"], "--interval"),
         (&["token", "--sub", "alice", "--ttl", "0s"], "--ttl"),
     ];
