@@ -9,6 +9,7 @@ use crate::cache::{Cache, Pending};
 use crate::domain::{TargetId, Totals};
 use crate::store::Store;
 use crate::store::StoreError;
+use crate::store::stats::Heads;
 
 #[derive(Clone)]
 pub struct Counts {
@@ -43,10 +44,10 @@ impl Counts {
         }
     }
 
-    /// Totals for many targets: one Redis round trip, then, per miss, one
-    /// request for every bucket's head (an IN over that target's own
-    /// partitions, the statics only, never the voters).
-    /// With Redis down every target is read from Cassandra.
+    /// Totals for many targets: one Redis round trip, then, per miss, the
+    /// target's registry row and, if it has one, every bucket's head (an IN
+    /// over that target's own partitions, the statics only, never the
+    /// voters). With Redis down every target is read from Cassandra.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, StoreError> {
         let cached = match self.cache.get_many(targets).await {
             Ok(c) => {
@@ -80,13 +81,28 @@ impl Counts {
     async fn fill(&self, target: &TargetId) -> Result<Totals, StoreError> {
         let heads = {
             let _turn = self.misses.acquire().await;
-            self.store.stats.heads(target).await?
+            self.durable_heads(target).await?
         };
         Ok(self
             .cache
             .fill(target, &heads)
             .await
             .unwrap_or_else(|_| heads.totals()))
+    }
+
+    /// Every bucket's head, or, for a target the registry has no row for,
+    /// empty heads without reading a bucket: most ids on a page were never
+    /// reacted to, and one partition read costs a sixteenth of the heads'.
+    /// Empty heads are what the buckets held when the registry was read
+    /// (see `Targets::has_reactions`); like any heads, they fill with seq 0,
+    /// below every write of a bucket, so a write through since is kept.
+    async fn durable_heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
+        if !self.store.targets.has_reactions(target).await? {
+            metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "registry").increment(1);
+            return Ok(Heads::empty(self.store.layout));
+        }
+        metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "buckets").increment(1);
+        self.store.stats.heads(target).await
     }
 
     pub async fn get(&self, target: &TargetId) -> Result<Totals, StoreError> {

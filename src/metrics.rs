@@ -18,6 +18,9 @@ pub const GROUP_LAG_MESSAGES: &str = "tally_consumer_group_lag_messages";
 pub const GROUP_LAG_SECONDS: &str = "tally_consumer_group_lag_seconds";
 /// Signal 4: count cache lookups, by result (hit, miss, error).
 pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
+/// Cache misses filled from Cassandra, by what was read: `registry` (no
+/// reaction yet, served as zeros) or `buckets` (every bucket's head).
+pub const CACHE_FILLS: &str = "tally_cache_fills_total";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
 pub const CAS: &str = "tally_cas_total";
@@ -122,6 +125,10 @@ fn describe() {
     describe_counter!(
         CACHE_LOOKUPS,
         "count cache lookups by result (hit, miss, error)"
+    );
+    describe_counter!(
+        CACHE_FILLS,
+        "cache misses filled from Cassandra by what was read (registry: nobody reacted yet; buckets)"
     );
     describe_counter!(
         CAS,

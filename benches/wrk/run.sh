@@ -3,7 +3,7 @@
 # CPU per request from /proc: the lightest generator to set beside vegeta's
 # figures (benches/http.rs), and a way to put two builds side by side.
 #
-#   benches/wrk/run.sh BINARY pages|votes [SECS] [CONNECTIONS]
+#   benches/wrk/run.sh BINARY pages|cold|votes [SECS] [CONNECTIONS]
 #
 # Runs BINARY as `tally vote` on 127.0.0.1:18080 over its own keyspace,
 # topics and Redis prefix (wrkbench), with per-user limits out of the way,

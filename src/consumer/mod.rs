@@ -39,6 +39,7 @@ use crate::store::Cas;
 use crate::store::reactions::{Current, Reactions};
 use crate::store::stats::FencedWrite;
 use crate::store::stats::Stats;
+use crate::store::targets::Targets;
 use crate::store::{Store, StoreError};
 
 /// How the consumer writes: `batched` (one fenced write per bucket of a
@@ -162,7 +163,11 @@ pub async fn run(
     let worker = Worker {
         config: &config,
         stats: &store.stats,
-        rows: (!config.trust_events).then_some(&store.reactions),
+        provenance: if config.trust_events {
+            Provenance::Trusted(&store.targets)
+        } else {
+            Provenance::Rows(&store.reactions)
+        },
         dead_letters: &dead_letters,
         cache: &cache,
         progress: &progress,
@@ -217,17 +222,57 @@ pub async fn run(
 /// that never said goodbye, so waiting longer buys nothing.
 const LEAVE_BOUND: Duration = Duration::from_secs(10);
 
+/// A Cassandra request for `target`, retried with backoff until it
+/// succeeds: its events cannot be counted without it. Given up only while
+/// stopping, once Cassandra has failed it for a while.
+async fn until_done<T, F, Fut>(
+    target: &TargetId,
+    what: &str,
+    stop: &watch::Receiver<bool>,
+    mut request: F,
+) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match request().await {
+            Ok(done) => return Ok(done),
+            Err(e) => {
+                let e = anyhow::Error::new(e);
+                if *stop.borrow() && backoff >= Duration::from_secs(2) {
+                    anyhow::bail!("stopping while Cassandra is failing: {e:#}");
+                }
+                tracing::warn!(target_id = %target, error = format!("{e:#}"), "{what} failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
 async fn drain_deadline(mut stop: watch::Receiver<bool>, timeout: Duration) {
     let _ = stop.wait_for(|s| *s).await;
     tokio::time::sleep(timeout).await;
 }
 
+/// What stands behind an event.
+#[derive(Clone, Copy)]
+enum Provenance<'a> {
+    /// The user's row, which each event is checked against. A row commits
+    /// only after its target is in the registry.
+    Rows(&'a Reactions),
+    /// Nothing (`--trust-events`): the consumer registers each target
+    /// before counting it, since a read's miss serves a target with no
+    /// registry row as zeros.
+    Trusted(&'a Targets),
+}
+
 struct Worker<'a> {
     config: &'a ConsumerConfig,
     stats: &'a Stats,
-    /// Where events are checked against the rows they claim to come from;
-    /// `None` with `--trust-events`.
-    rows: Option<&'a Reactions>,
+    provenance: Provenance<'a>,
     dead_letters: &'a DeadLetters,
     cache: &'a Cache,
     progress: &'a Progress,
@@ -338,9 +383,20 @@ impl Worker<'_> {
                 .into_iter()
                 .map(|((target, bucket), (events, sources))| async move {
                     let sources: Vec<&Received> = sources.iter().map(|&i| &batch[i]).collect();
-                    let (events, sources) = match self.rows {
-                        Some(rows) => self.checked(rows, &target, (events, sources), stop).await?,
-                        None => (events, sources),
+                    let (events, sources) = match self.provenance {
+                        Provenance::Rows(rows) => {
+                            self.checked(rows, &target, (events, sources), stop).await?
+                        }
+                        Provenance::Trusted(targets) => {
+                            if let Some(first) = events.first() {
+                                let kind = first.target_type;
+                                until_done(&target, "registering the target", stop, || {
+                                    targets.register(&target, kind)
+                                })
+                                .await?;
+                            }
+                            (events, sources)
+                        }
                     };
                     self.count_bucket((&target, bucket), (&events, &sources), stop)
                         .await
@@ -564,25 +620,12 @@ impl Worker<'_> {
         users.dedup();
         let mut found = HashMap::new();
         for some in users.chunks(MAX_USERS_PER_WRITE) {
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match rows.rows_of(some, target).await {
-                    Ok(read) => {
-                        self.progress.requests.fetch_add(1, Ordering::Relaxed);
-                        found.extend(read);
-                        break;
-                    }
-                    Err(e) => {
-                        let e = anyhow::Error::new(e);
-                        if *stop.borrow() && backoff >= Duration::from_secs(2) {
-                            anyhow::bail!("stopping while Cassandra is failing: {e:#}");
-                        }
-                        tracing::warn!(target_id = %target, error = format!("{e:#}"), "reading the rows behind events failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                    }
-                }
-            }
+            let read = until_done(target, "reading the rows behind events", stop, || {
+                rows.rows_of(some, target)
+            })
+            .await?;
+            self.progress.requests.fetch_add(1, Ordering::Relaxed);
+            found.extend(read);
         }
         let mut kept = (
             Vec::with_capacity(events.len()),

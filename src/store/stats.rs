@@ -62,6 +62,11 @@ fn head_of(columns: &[Option<CqlValue>]) -> Head {
 pub struct Heads(pub Vec<Head>);
 
 impl Heads {
+    /// Every bucket of `layout` as nobody has written it.
+    pub fn empty(layout: Layout) -> Heads {
+        Heads(layout.buckets().map(|_| Head::default()).collect())
+    }
+
     /// The target's totals: the sum of its buckets'.
     pub fn totals(&self) -> Totals {
         self.0

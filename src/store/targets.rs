@@ -31,6 +31,7 @@ pub struct Checkpoint {
 pub struct Targets {
     session: Arc<Session>,
     register: PreparedStatement,
+    registered_row: PreparedStatement,
     first_page: PreparedStatement,
     next_page: PreparedStatement,
     read_checkpoint: PreparedStatement,
@@ -53,6 +54,9 @@ impl Targets {
     pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Targets> {
         Ok(Targets {
             register: super::prepare(&session, "INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
+            registered_row: super::prepare(&session, "SELECT target_id FROM targets WHERE target_id = ?")
+                .await
+                .context("prepare registered row")?,
             first_page: super::prepare(&session, "SELECT target_id, token(target_id) FROM targets LIMIT ?")
                 .await
                 .context("prepare first page")?,
@@ -96,6 +100,22 @@ impl Targets {
             s.insert(target.clone());
         }
         Ok(())
+    }
+
+    /// Whether anyone has reacted to the target: false only when the
+    /// registry has no row for it. `register` completes (at the session's
+    /// level, as this read) before a target's first reaction commits, and
+    /// nothing deletes a registry row, so when this read finds none, no
+    /// reaction to the target had committed when it began, and every bucket
+    /// of the target was empty then. One partition, where the heads are one
+    /// per bucket.
+    pub async fn has_reactions(&self, target: &TargetId) -> Result<bool, StoreError> {
+        if self.remembers(target) {
+            return Ok(true);
+        }
+        let row: Option<(String,)> =
+            super::first_row(&self.session, &self.registered_row, (target.as_str(),)).await?;
+        Ok(row.is_some())
     }
 
     /// The next `limit` targets after `after` in token order, with their tokens.

@@ -645,3 +645,38 @@ async fn in_order_transitions_are_counted_without_reads_until_another_writer_mov
     consumer.stop().await;
     Ok(())
 }
+
+/// With `--trust-events` no vote registered the target, so the consumer
+/// does before counting it: a read that misses (here, after the entry is
+/// dropped) asks the registry before reading any bucket, and would serve a
+/// target missing from it as zeros.
+#[tokio::test]
+async fn a_target_counted_from_trusted_events_alone_is_served_after_its_entry_is_dropped()
+-> TestResult {
+    use tally::cache::Cache;
+    use tally::domain::TargetId;
+
+    let env = TestEnv::new().await;
+    for (user, to) in [("u1", "like"), ("u2", "like"), ("u3", "dislike")] {
+        env.publish_transition(user, "video_synthetic", "none", to, 1)
+            .await;
+    }
+    let consumer = env.start_consumer_trusting();
+    processed_at_least(&consumer, 3).await;
+    consumer.stop().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    cache
+        .invalidate(&TargetId::parse("video_synthetic")?)
+        .await?;
+
+    let app = env.spawn_app().await;
+    let reply = app.summary("reader", "video_synthetic").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let item = &reply.json()["items"]["video_synthetic"];
+    assert_eq!(
+        (item["likes"].as_i64(), item["dislikes"].as_i64()),
+        (Some(2), Some(1)),
+        "{item}"
+    );
+    Ok(())
+}

@@ -343,3 +343,125 @@ async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted()
     );
     Ok(())
 }
+
+/// A read's miss reads a target's buckets only when the registry has a row
+/// for it: a vote registers its target before its first reaction commits,
+/// so a target without a row has nothing counted, and most ids on a page
+/// were never reacted to. Both targets here have totals written straight
+/// into a bucket, which nothing does to a target outside the registry: only
+/// the registered one's are read.
+#[tokio::test]
+async fn a_miss_reads_the_buckets_only_of_a_target_in_the_registry() -> TestResult {
+    let env = TestEnv::new().await;
+    for target in ["listed", "unlisted"] {
+        env.cql(&format!(
+            "UPDATE target_stats SET likes = 5, seq = 1 WHERE target_id = '{target}' AND bucket = 0"
+        ))
+        .await;
+    }
+    env.cql("INSERT INTO targets (target_id, target_type) VALUES ('listed', 'video')")
+        .await;
+    let app = env.spawn_app().await;
+    let reply = app.summary("reader", "listed,unlisted").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let items = &reply.json()["items"];
+    assert_eq!(items["listed"]["likes"], 5, "{items}");
+    assert_eq!(items["unlisted"]["likes"], 0, "{items}");
+    Ok(())
+}
+
+/// First votes on fresh targets race reads that miss. The readers' process
+/// never registered the targets, so every miss asks the registry, and some
+/// find no row and fill zeros while a first vote commits; the readers drop
+/// the entries throughout. Once the votes stop and the consumer drains,
+/// every target is served as its users' rows say: no flush, no expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_votes_racing_misses_that_find_no_registry_row_end_served_as_counted() -> TestResult {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use tally::cache::Cache;
+    use tally::domain::TargetId;
+
+    let env = TestEnv::new().await;
+    let consumer = env.start_consumer();
+    let voter = Arc::new(env.spawn_app().await);
+    let reader = Arc::new(env.spawn_app().await);
+    let cache = Arc::new(Cache::new(&env.redis, Duration::from_secs(60))?);
+    let targets: Arc<Vec<String>> = Arc::new((0..24).map(|i| format!("fresh{i}")).collect());
+    let voting = Arc::new(AtomicBool::new(true));
+    let reads = Arc::new(AtomicU64::new(0));
+
+    let mut readers = Vec::new();
+    for _ in 0..2 {
+        let (reader, cache, targets) = (reader.clone(), cache.clone(), targets.clone());
+        let (voting, reads) = (voting.clone(), reads.clone());
+        readers.push(tokio::spawn(async move {
+            let ids = targets.join(",");
+            while voting.load(Ordering::Relaxed) {
+                for t in targets.iter() {
+                    cache.invalidate(&TargetId::parse(t)?).await?;
+                }
+                let reply = reader.summary("reader", &ids).await;
+                anyhow::ensure!(reply.status == 200, "summary: {}", reply.body);
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    // Four voters at a time, each a target's three first votes at once.
+    let mut voters = Vec::new();
+    for lane in 0..4 {
+        let (voter, targets) = (voter.clone(), targets.clone());
+        voters.push(tokio::spawn(async move {
+            for t in targets.iter().skip(lane).step_by(4) {
+                let (a, b, c) = tokio::join!(
+                    voter.vote("ann", new_key(), t, "like"),
+                    voter.vote("bob", new_key(), t, "dislike"),
+                    voter.vote("cy", new_key(), t, "like"),
+                );
+                for reply in [a, b, c] {
+                    anyhow::ensure!(reply.status == 200, "vote on {t}: {}", reply.body);
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for v in voters {
+        v.await??;
+    }
+    voting.store(false, Ordering::Relaxed);
+    for r in readers {
+        r.await??;
+    }
+    assert!(
+        reads.load(Ordering::Relaxed) >= 2,
+        "the readers read while the votes went in"
+    );
+
+    let truth = env.recount().await;
+    for t in targets.iter() {
+        assert_eq!(
+            (truth[t].likes(), truth[t].dislikes()),
+            (2, 1),
+            "{t}: every vote committed"
+        );
+    }
+    let ids = targets.join(",");
+    eventually(
+        "every target served as its rows say",
+        Duration::from_secs(30),
+        || async {
+            let reply = reader.summary("reader", &ids).await;
+            let items = reply.json()["items"].clone();
+            targets
+                .iter()
+                .all(|t| {
+                    items[t]["likes"] == truth[t].likes()
+                        && items[t]["dislikes"] == truth[t].dislikes()
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    consumer.stop().await;
+    Ok(())
+}
