@@ -181,6 +181,10 @@ impl CacheError {
 //   s:<b>        the `target_stats` seq bucket b's base was read or written at
 //   b:<b>:<name> bucket b's base: its durable totals as of s:<b>
 //   k            how many buckets have a base
+//   z            present once a read's miss filled the entry: every bucket
+//                without an s: field then has the empty base at seq 0.
+//                Most buckets of most targets were never written, and
+//                writing their empty bases was most of a miss's Redis work
 //   v            the served totals, "<n>|<n>" in `Totals` order: the bases
 //                of all buckets plus every pending change; present only once
 //                every bucket has a base. One field, so a page's read parses
@@ -230,6 +234,7 @@ local function now_ms()
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function complete(key, nb)
+  if redis.call('HEXISTS', key, 'z') == 1 then return true end
   return tonumber(redis.call('HGET', key, 'k') or '0') >= nb
 end
 local function set_base(key, names, b, seq, base)
@@ -244,10 +249,16 @@ end
 local function fill(key, names, nb, at)
   local n = #names
   for b = 0, nb - 1 do
-    local base = {}
-    for i = 1, n do base[i] = ARGV[at + b * (n + 1) + i] end
-    set_base(key, names, b, ARGV[at + b * (n + 1)], base)
+    local seq = ARGV[at + b * (n + 1)]
+    local base, empty = {}, tonumber(seq) == 0
+    for i = 1, n do
+      base[i] = ARGV[at + b * (n + 1) + i]
+      if tonumber(base[i]) ~= 0 then empty = false end
+    end
+    -- An empty base at seq 0 is what `z` says of a bucket with no field.
+    if not empty then set_base(key, names, b, seq, base) end
   end
+  redis.call('HSET', key, 'z', 1)
 end
 local function recompute(key, names, nb, stale)
   if not complete(key, nb) then return end
@@ -504,13 +515,14 @@ impl Cache {
     }
 
     fn key(&self, target: &TargetId) -> String {
-        // `c` for a bucketed entry with its served totals in one field;
-        // entries of earlier layouts (`b`, a field per total) are never read
-        // and expire. Built by hand: `format!` was 5.6% of the instructions of
+        // `d` for a bucketed entry with its served totals in one field and
+        // no field for an empty bucket once filled (`z`); entries of earlier
+        // layouts (`b`, a field per total; `c`, a field for every bucket)
+        // are never read and expire. Built by hand: `format!` was 5.6% of the instructions of
         // a page of 21 ids (callgrind, BENCHMARKS.md section 13).
         let mut key = String::with_capacity(self.prefix.len() + 3 + target.as_str().len());
         key.push_str(&self.prefix);
-        key.push_str(":c:");
+        key.push_str(":d:");
         key.push_str(target.as_str());
         key
     }

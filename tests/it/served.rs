@@ -465,3 +465,107 @@ async fn first_votes_racing_misses_that_find_no_registry_row_end_served_as_count
     consumer.stop().await;
     Ok(())
 }
+
+/// A read's miss writes no field for a bucket nobody has written (its base
+/// is empty at seq 0), only the `z` mark that says so. Such a bucket's first
+/// write through is still counted on top of the others, a stale fill after
+/// it takes nothing away, and a base at seq 0 that is not empty (written by
+/// hand) is kept like any other.
+#[tokio::test]
+async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_counts() -> TestResult
+{
+    use tally::cache::{Cache, Pending, Written};
+    use tally::domain::{Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let four = Layout::new(4)?;
+    let target = TargetId::parse("sparse")?;
+    let likes = |n: usize| Totals::count(std::iter::repeat_n(Reaction::Like, n));
+    let head = |seq: Option<i64>, n| Head {
+        seq,
+        totals: likes(n),
+        target_type: None,
+    };
+    let served = || async {
+        let got = cache.get_many(std::slice::from_ref(&target)).await?;
+        anyhow::Ok(
+            got.first()
+                .copied()
+                .flatten()
+                .map(|t| t.get(Reaction::Like)),
+        )
+    };
+    // Bucket 1 was written (seq 3, 2 likes), bucket 2 holds 4 likes at no
+    // seq, buckets 0 and 3 were never written.
+    let filled = Heads(vec![
+        head(None, 0),
+        head(Some(3), 2),
+        head(None, 4),
+        head(None, 0),
+    ]);
+    cache.fill(&target, &filled).await?;
+    assert_eq!(served().await?, Some(6));
+    let pool = tally::cache::pool(&env.redis)?;
+    let mut conn = pool.get().await?;
+    let key = format!("{}:d:sparse", env.redis.prefix);
+    let mut fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    fields.retain(|f| f.starts_with("s:"));
+    fields.sort();
+    assert_eq!(
+        fields,
+        ["s:1", "s:2"],
+        "a field for each bucket that is not empty"
+    );
+
+    // Bucket 0's first write, through: one like.
+    let ann = UserId::parse("ann")?;
+    let ann_row = [(
+        ann.clone(),
+        tally::domain::Applied {
+            version: 1,
+            state: Reaction::Like,
+        },
+    )];
+    let first = Written {
+        buckets: four,
+        bucket: Bucket::FIRST,
+        seq: 1,
+        totals: likes(1),
+        users: &ann_row,
+        ahead: &[],
+    };
+    cache.write_through(&target, &first).await?;
+    assert_eq!(served().await?, Some(7));
+    // A fill read before that write arrives after it.
+    cache
+        .fill(
+            &target,
+            &Heads(vec![
+                head(None, 0),
+                head(Some(3), 2),
+                head(None, 4),
+                head(None, 0),
+            ]),
+        )
+        .await?;
+    assert_eq!(
+        served().await?,
+        Some(7),
+        "the stale fill keeps bucket 0's write"
+    );
+    // A vote's change in bucket 3, ahead of the consumer.
+    let bob = UserId::parse("bob")?;
+    let change = Pending {
+        user: &bob,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    cache
+        .apply(&target, &change, four, None, cache.change_deadline())
+        .await?;
+    assert_eq!(served().await?, Some(8));
+    Ok(())
+}
