@@ -199,7 +199,8 @@ impl CacheError {
 // The consumer (and reconcile) write each durable write of a bucket through,
 // with its seq: that bucket's base becomes exact, the pending changes it now
 // includes go, and an older seq never overwrites a newer one. A read's miss
-// fills every bucket the same way, newer seq winning. So a served count is
+// fills every bucket the same way, newer seq winning (an empty bucket by
+// `z`, at seq 0). So a served count is
 // wrong at most until the consumer catches up, however entries expire and
 // refill.
 

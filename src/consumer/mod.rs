@@ -32,7 +32,7 @@ use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::source::{Received, Source};
 use crate::cache::{Cache, TtlPolicy};
-use crate::domain::{Applied, Bucket, Ledger, TargetId, Transition, UserId};
+use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Transition, UserId};
 use crate::fence::{self, Ending, Fold, Left, MAX_USERS_PER_WRITE, Read, Step};
 use crate::ops::Stores;
 use crate::store::Cas;
@@ -121,8 +121,12 @@ pub struct Progress {
     /// Fenced writes that lost to another writer and were redone.
     pub fence_conflicts: AtomicU64,
     pub batches: AtomicU64,
-    /// CQL requests made to count: every read and every batch.
+    /// CQL requests made to count: every read and every batch, and every
+    /// registration.
     pub requests: AtomicU64,
+    /// Targets registered before their events were counted (with
+    /// `--trust-events`), once per target and process.
+    pub registrations: AtomicU64,
     /// The port /metrics, /healthz and /readyz are served on.
     pub ops_port: AtomicU64,
 }
@@ -257,6 +261,9 @@ async fn drain_deadline(mut stop: watch::Receiver<bool>, timeout: Duration) {
     tokio::time::sleep(timeout).await;
 }
 
+/// A batch's events by bucket of a target, with where in the batch each came.
+type ByBucket = HashMap<(TargetId, Bucket), (Vec<Transition>, Vec<usize>)>;
+
 /// What stands behind an event.
 #[derive(Clone, Copy)]
 enum Provenance<'a> {
@@ -352,8 +359,7 @@ impl Worker<'_> {
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         // Each bucket's events, and where in the batch each came.
-        let mut by_bucket: HashMap<(TargetId, Bucket), (Vec<Transition>, Vec<usize>)> =
-            HashMap::new();
+        let mut by_bucket: ByBucket = HashMap::new();
         for (i, m) in batch.iter().enumerate() {
             match Transition::from_json(&m.payload) {
                 Ok(t) => {
@@ -378,6 +384,9 @@ impl Worker<'_> {
             }
             self.learn_heads(unknown).await;
         }
+        if let Provenance::Trusted(targets) = self.provenance {
+            self.register_new(targets, &by_bucket, stop).await?;
+        }
         let writes =
             by_bucket
                 .into_iter()
@@ -387,16 +396,7 @@ impl Worker<'_> {
                         Provenance::Rows(rows) => {
                             self.checked(rows, &target, (events, sources), stop).await?
                         }
-                        Provenance::Trusted(targets) => {
-                            if let Some(first) = events.first() {
-                                let kind = first.target_type;
-                                until_done(&target, "registering the target", stop, || {
-                                    targets.register(&target, kind)
-                                })
-                                .await?;
-                            }
-                            (events, sources)
-                        }
+                        Provenance::Trusted(_) => (events, sources),
                     };
                     self.count_bucket((&target, bucket), (&events, &sources), stop)
                         .await
@@ -603,6 +603,38 @@ impl Worker<'_> {
             metrics::counter!(crate::metrics::GAPS).increment(ledger.gaps);
             tracing::info!(target_id = %target, gaps = ledger.gaps, "transitions arrived out of order or were lost; counted from the applied state");
         }
+    }
+
+    /// With `--trust-events`: registers the batch's targets this process has
+    /// not, before any of their events is counted, since no vote did.
+    async fn register_new(
+        &self,
+        targets: &Targets,
+        by_bucket: &ByBucket,
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        let mut new: HashMap<TargetId, TargetType> = HashMap::new();
+        for ((target, _), (events, _)) in by_bucket {
+            if let Some(first) = events.first() {
+                if !targets.remembers(target) {
+                    new.entry(target.clone()).or_insert(first.target_type);
+                }
+            }
+        }
+        let each = new.into_iter().map(|(target, kind)| async move {
+            until_done(&target, "registering the target", stop, || {
+                targets.register(&target, kind)
+            })
+            .await?;
+            self.progress.requests.fetch_add(1, Ordering::Relaxed);
+            self.progress.registrations.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        });
+        let registered: Vec<anyhow::Result<()>> = futures::stream::iter(each)
+            .buffer_unordered(self.config.parallelism.max(1))
+            .collect()
+            .await;
+        registered.into_iter().collect()
     }
 
     /// The events that agree with their users' rows of `target`; the rest

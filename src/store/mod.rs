@@ -620,7 +620,7 @@ impl Store {
             layout,
             reactions: reactions::Reactions::prepare(session.clone(), ttl, levels).await?,
             stats: stats::Stats::prepare(session.clone(), levels, layout).await?,
-            targets: targets::Targets::prepare(session.clone()).await?,
+            targets: targets::Targets::prepare(session.clone(), levels).await?,
             outbox: outbox::Outbox::prepare(session.clone(), ttl, levels).await?,
             ping: session
                 .prepare("SELECT release_version FROM system.local")

@@ -8,7 +8,9 @@ use anyhow::Context;
 use scylla::client::session::Session;
 use scylla::statement::prepared::PreparedStatement;
 
-use super::StoreError;
+use scylla::statement::Consistency;
+
+use super::{Levels, StoreError};
 use crate::domain::{TargetId, TargetType};
 
 /// Targets this process registered recently; the registry is an idempotent
@@ -39,6 +41,8 @@ pub struct Targets {
     delete_checkpoint: PreparedStatement,
     /// Shared by every session's copy: registered once per process.
     registered: Arc<Mutex<HashSet<TargetId>>>,
+    /// The level of plain reads and writes, the registry's included.
+    quorum: Consistency,
 }
 
 impl Targets {
@@ -51,7 +55,7 @@ impl Targets {
         }
     }
 
-    pub async fn prepare(session: Arc<Session>) -> anyhow::Result<Targets> {
+    pub async fn prepare(session: Arc<Session>, levels: Levels) -> anyhow::Result<Targets> {
         Ok(Targets {
             register: super::prepare(&session, "INSERT INTO targets (target_id, target_type) VALUES (?, ?)").await.context("prepare register")?,
             registered_row: super::prepare(&session, "SELECT target_id FROM targets WHERE target_id = ?")
@@ -73,6 +77,7 @@ impl Targets {
                 .await?,
             delete_checkpoint: super::prepare(&session, "DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
             registered: Arc::new(Mutex::new(HashSet::new())),
+            quorum: levels.quorum,
             session,
         })
     }
@@ -108,14 +113,27 @@ impl Targets {
     /// nothing deletes a registry row, so when this read finds none, no
     /// reaction to the target had committed when it began, and every bucket
     /// of the target was empty then. One partition, where the heads are one
-    /// per bucket.
+    /// per bucket. Without `sees_every_registration` it answers true
+    /// without reading.
     pub async fn has_reactions(&self, target: &TargetId) -> Result<bool, StoreError> {
-        if self.remembers(target) {
+        if self.remembers(target) || !self.sees_every_registration() {
             return Ok(true);
         }
         let row: Option<(String,)> =
             super::first_row(&self.session, &self.registered_row, (target.as_str(),)).await?;
         Ok(row.is_some())
+    }
+
+    /// Whether a read of the registry sees every registration that
+    /// completed before it began, asked of the cluster as the driver knows
+    /// it now (a region added later counts from when its nodes appear).
+    pub fn sees_every_registration(&self) -> bool {
+        let state = self.session.get_cluster_state();
+        let datacenters = state
+            .get_nodes_info()
+            .iter()
+            .filter_map(|n| n.datacenter.as_deref());
+        registrations_overlap(self.quorum, datacenters)
     }
 
     /// The next `limit` targets after `after` in token order, with their tokens.
@@ -178,5 +196,55 @@ impl Targets {
             .await
             .map_err(super::request_failed)?;
         Ok(())
+    }
+}
+
+/// Whether a read at `level` overlaps every write at `level` that completed
+/// before it, in a cluster whose nodes are in `datacenters`: at QUORUM
+/// always; at LOCAL_QUORUM only in one datacenter. Across regions two
+/// LOCAL_QUORUMs share no replica, and a registration, written once and
+/// not again with every count as a bucket's totals are, may not reach
+/// another region for as long as its hints take, or ever without a repair.
+fn registrations_overlap<'a>(
+    level: Consistency,
+    datacenters: impl Iterator<Item = &'a str>,
+) -> bool {
+    match level {
+        Consistency::Quorum | Consistency::All | Consistency::EachQuorum => true,
+        Consistency::LocalQuorum => {
+            let mut datacenters = datacenters;
+            match datacenters.next() {
+                None => false,
+                Some(first) => datacenters.all(|dc| dc == first),
+            }
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::registrations_overlap;
+    use scylla::statement::Consistency;
+
+    #[test]
+    fn the_registry_decides_only_where_its_reads_see_every_registration() {
+        let one = ["dc1", "dc1", "dc1"];
+        let two = ["dc1", "dc1", "dc2"];
+        assert!(registrations_overlap(
+            Consistency::LocalQuorum,
+            one.into_iter()
+        ));
+        assert!(!registrations_overlap(
+            Consistency::LocalQuorum,
+            two.into_iter()
+        ));
+        assert!(registrations_overlap(Consistency::Quorum, two.into_iter()));
+        // A cluster the driver knows no datacenter of: read the buckets.
+        assert!(!registrations_overlap(
+            Consistency::LocalQuorum,
+            std::iter::empty()
+        ));
+        assert!(!registrations_overlap(Consistency::One, one.into_iter()));
     }
 }
