@@ -223,25 +223,13 @@ async fn served_totals_converge_under_continuous_load_longer_than_three_ttls() -
 /// counted a second time; a write-through without the mark would be.
 #[tokio::test]
 async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once() -> TestResult {
-    use tally::cache::{Cache, Pending, Written};
+    use tally::cache::{Cache, Written};
     use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
     use tally::store::stats::{Head, Heads};
 
     let env = TestEnv::new().await;
     let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
     let one = Layout::new(1)?;
-    let served = |target: &TargetId| {
-        let (cache, target) = (&cache, target.clone());
-        async move {
-            let got = cache.get_many(std::slice::from_ref(&target)).await?;
-            anyhow::Ok(
-                got.first()
-                    .copied()
-                    .flatten()
-                    .map(|t| t.get(Reaction::Like)),
-            )
-        }
-    };
     for (id, marked) in [("marked", true), ("unmarked", false)] {
         let target = TargetId::parse(id)?;
         let ann = UserId::parse("ann")?;
@@ -270,17 +258,9 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
         };
         cache.write_through(&target, &written).await?;
         // ...and then her vote's own cache step arrives.
-        let change = Pending {
-            user: &ann,
-            version: 1,
-            from: Reaction::None,
-            to: Reaction::Like,
-        };
-        cache
-            .apply(&target, &change, one, None, cache.change_deadline())
-            .await?;
+        count_first_like(&cache, &target, &ann, one).await?;
         let expected = if marked { 1 } else { 2 };
-        assert_eq!(served(&target).await?, Some(expected), "{id}");
+        assert_eq!(served_likes(&cache, &target).await?, Some(expected), "{id}");
     }
     Ok(())
 }
@@ -290,7 +270,7 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
 /// counted: the newer base counts them already.
 #[tokio::test]
 async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted() -> TestResult {
-    use tally::cache::{Cache, Pending, Written};
+    use tally::cache::{Cache, Written};
     use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
     use tally::store::stats::{Head, Heads};
 
@@ -310,15 +290,7 @@ async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted()
     };
     cache.fill(&target, &Heads(vec![empty])).await?;
     // ann's vote counts her like ahead of the consumer.
-    let change = Pending {
-        user: &ann,
-        version: 1,
-        from: Reaction::None,
-        to: Reaction::Like,
-    };
-    cache
-        .apply(&target, &change, one, None, cache.change_deadline())
-        .await?;
+    count_first_like(&cache, &target, &ann, one).await?;
     // The write of seq 2 counts ann; the write of seq 3, after it, counts
     // bob too. Their write-throughs arrive newest first.
     let (bob_row, ann_row) = ([(bob.clone(), like(1))], [(ann.clone(), like(1))]);
@@ -332,12 +304,8 @@ async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted()
     };
     cache.write_through(&target, &write(3, 2, &bob_row)).await?;
     cache.write_through(&target, &write(2, 1, &ann_row)).await?;
-    let got = cache.get_many(std::slice::from_ref(&target)).await?;
     assert_eq!(
-        got.first()
-            .copied()
-            .flatten()
-            .map(|t| t.get(Reaction::Like)),
+        served_likes(&cache, &target).await?,
         Some(2),
         "ann and bob, each once"
     );
@@ -474,7 +442,7 @@ async fn first_votes_racing_misses_that_find_no_registry_row_end_served_as_count
 #[tokio::test]
 async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_counts() -> TestResult
 {
-    use tally::cache::{Cache, Pending, Written};
+    use tally::cache::{Cache, Written};
     use tally::domain::{Bucket, Layout, TargetId, UserId};
     use tally::store::stats::{Head, Heads};
 
@@ -488,15 +456,6 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
         totals: likes(n),
         target_type: None,
     };
-    let served = || async {
-        let got = cache.get_many(std::slice::from_ref(&target)).await?;
-        anyhow::Ok(
-            got.first()
-                .copied()
-                .flatten()
-                .map(|t| t.get(Reaction::Like)),
-        )
-    };
     // Bucket 1 was written (seq 3, 2 likes), bucket 2 holds 4 likes at no
     // seq, buckets 0 and 3 were never written.
     let filled = Heads(vec![
@@ -506,7 +465,7 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
         head(None, 0),
     ]);
     cache.fill(&target, &filled).await?;
-    assert_eq!(served().await?, Some(6));
+    assert_eq!(served_likes(&cache, &target).await?, Some(6));
     let pool = tally::cache::pool(&env.redis)?;
     let mut conn = pool.get().await?;
     let key = format!("{}:d:sparse", env.redis.prefix);
@@ -537,7 +496,7 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
         ahead: &[],
     };
     cache.write_through(&target, &first).await?;
-    assert_eq!(served().await?, Some(7));
+    assert_eq!(served_likes(&cache, &target).await?, Some(7));
     // A fill read before that write arrives after it.
     cache
         .fill(
@@ -551,21 +510,46 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
         )
         .await?;
     assert_eq!(
-        served().await?,
+        served_likes(&cache, &target).await?,
         Some(7),
         "the stale fill keeps bucket 0's write"
     );
     // A vote's change in bucket 3, ahead of the consumer.
     let bob = UserId::parse("bob")?;
-    let change = Pending {
-        user: &bob,
+    count_first_like(&cache, &target, &bob, four).await?;
+    assert_eq!(served_likes(&cache, &target).await?, Some(8));
+    Ok(())
+}
+
+/// A vote's cache step for `user`'s first like (row version 1), ahead of
+/// the consumer.
+async fn count_first_like(
+    cache: &tally::cache::Cache,
+    target: &tally::domain::TargetId,
+    user: &tally::domain::UserId,
+    layout: tally::domain::Layout,
+) -> anyhow::Result<()> {
+    let change = tally::cache::Pending {
+        user,
         version: 1,
         from: Reaction::None,
         to: Reaction::Like,
     };
     cache
-        .apply(&target, &change, four, None, cache.change_deadline())
+        .apply(target, &change, layout, None, cache.change_deadline())
         .await?;
-    assert_eq!(served().await?, Some(8));
     Ok(())
+}
+
+/// The likes an entry serves, if it serves any.
+async fn served_likes(
+    cache: &tally::cache::Cache,
+    target: &tally::domain::TargetId,
+) -> anyhow::Result<Option<i64>> {
+    let got = cache.get_many(std::slice::from_ref(target)).await?;
+    Ok(got
+        .first()
+        .copied()
+        .flatten()
+        .map(|t| t.get(Reaction::Like)))
 }
