@@ -200,9 +200,8 @@ impl CacheError {
 // with its seq: that bucket's base becomes exact, the pending changes it now
 // includes go, and an older seq never overwrites a newer one. A read's miss
 // fills every bucket the same way, newer seq winning (an empty bucket by
-// `z`, at seq 0). So a served count is
-// wrong at most until the consumer catches up, however entries expire and
-// refill.
+// `z`, at seq 0). So a served count is wrong at most until the consumer
+// catches up, however entries expire and refill.
 
 /// Shared by the scripts: reads and writes the served totals, moves one of
 /// them for a state (none counts nowhere), records a bucket's base if it is
@@ -519,8 +518,9 @@ impl Cache {
         // `d` for a bucketed entry with its served totals in one field and
         // no field for an empty bucket once filled (`z`); entries of earlier
         // layouts (`b`, a field per total; `c`, a field for every bucket)
-        // are never read and expire. Built by hand: `format!` was 5.6% of the instructions of
-        // a page of 21 ids (callgrind, BENCHMARKS.md section 13).
+        // are never read and expire. Built by hand: `format!` was 5.6% of
+        // the instructions of a page of 21 ids (callgrind, BENCHMARKS.md
+        // section 13).
         let mut key = String::with_capacity(self.prefix.len() + 3 + target.as_str().len());
         key.push_str(&self.prefix);
         key.push_str(":d:");

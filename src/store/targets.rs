@@ -6,9 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use scylla::client::session::Session;
-use scylla::statement::prepared::PreparedStatement;
-
 use scylla::statement::Consistency;
+use scylla::statement::prepared::PreparedStatement;
 
 use super::{Levels, StoreError};
 use crate::domain::{TargetId, TargetType};
@@ -91,7 +90,7 @@ impl Targets {
     /// Records that the target has reactions. Called before a first reaction
     /// commits; skipped when this process registered it recently.
     pub async fn register(&self, target: &TargetId, kind: TargetType) -> Result<(), StoreError> {
-        if self.registered.lock().is_ok_and(|s| s.contains(target)) {
+        if self.remembers(target) {
             return Ok(());
         }
         self.session
@@ -207,17 +206,13 @@ impl Targets {
 /// another region for as long as its hints take, or ever without a repair.
 fn registrations_overlap<'a>(
     level: Consistency,
-    datacenters: impl Iterator<Item = &'a str>,
+    mut datacenters: impl Iterator<Item = &'a str>,
 ) -> bool {
     match level {
         Consistency::Quorum | Consistency::All | Consistency::EachQuorum => true,
-        Consistency::LocalQuorum => {
-            let mut datacenters = datacenters;
-            match datacenters.next() {
-                None => false,
-                Some(first) => datacenters.all(|dc| dc == first),
-            }
-        }
+        Consistency::LocalQuorum => datacenters
+            .next()
+            .is_some_and(|first| datacenters.all(|dc| dc == first)),
         _ => false,
     }
 }
