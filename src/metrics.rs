@@ -21,6 +21,9 @@ pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
 /// Cache misses filled from Cassandra, by what was read: `registry` (no
 /// reaction yet, served as zeros) or `buckets` (every bucket's head).
 pub const CACHE_FILLS: &str = "tally_cache_fills_total";
+/// Writes of a change to an entry that Redis answered with an error (out of
+/// memory, say), by step (vote, write_through); each entry is then dropped.
+pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
 pub const CAS: &str = "tally_cas_total";
@@ -129,6 +132,10 @@ fn describe() {
     describe_counter!(
         CACHE_FILLS,
         "cache misses filled from Cassandra by what was read (registry: nobody reacted yet; buckets)"
+    );
+    describe_counter!(
+        CACHE_WRITES_REFUSED,
+        "changes Redis refused to write to an entry, by step (vote, write_through); the entry is dropped"
     );
     describe_counter!(
         CAS,

@@ -156,6 +156,13 @@ pub enum CacheError {
 }
 
 impl CacheError {
+    /// Whether Redis answered the command with an error: it ran, and said no
+    /// (out of memory under `noeviction`, a script that failed), unlike a
+    /// command that never reached it or whose answer never came.
+    fn answered_no(&self) -> bool {
+        matches!(self, CacheError::Redis(_)) && !self.spoils_connection()
+    }
+
     /// Whether the connection it came on may be broken or stuck, and is
     /// better not used again.
     fn spoils_connection(&self) -> bool {
@@ -682,9 +689,13 @@ impl Cache {
                 call.arg("");
             }
         }
-        let answer: redis::Value = self
+        let answer: Result<redis::Value, CacheError> = self
             .within(|mut c| async move { call.invoke_async(&mut c).await })
-            .await?;
+            .await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => return Err(self.refused(target, "vote", e).await),
+        };
         match answer {
             // Too late: Redis ran it after the vote gave up waiting.
             redis::Value::Int(-1) => Err(CacheError::Timeout(self.timeout)),
@@ -720,10 +731,38 @@ impl Cache {
         for (user, version) in written.ahead {
             call.arg(user.as_str()).arg(*version);
         }
-        let _: i64 = self
+        let written: Result<i64, CacheError> = self
             .within(|mut c| async move { call.invoke_async(&mut c).await })
-            .await?;
-        Ok(())
+            .await;
+        match written {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.refused(target, "write_through", e).await),
+        }
+    }
+
+    /// After a change could not be written to a target's entry: if Redis
+    /// answered no, drops the entry and counts it. Nothing else would bring
+    /// that entry up to date before it expired: under `maxmemory` with
+    /// `noeviction` Redis refuses every write, the consumer's writes through
+    /// too, and goes on serving reads from the entry. A DEL needs no memory.
+    /// A dropped entry is like one that expired: the next read fills it from
+    /// the durable totals, or, while writes are refused, serves them. A
+    /// change that timed out is left to the consumer's next write, as
+    /// before: a Redis that did not answer one command would hold a DEL as
+    /// long.
+    async fn refused(
+        &self,
+        target: &TargetId,
+        step: &'static str,
+        error: CacheError,
+    ) -> CacheError {
+        if error.answered_no() {
+            metrics::counter!(crate::metrics::CACHE_WRITES_REFUSED, "step" => step).increment(1);
+            if let Err(e) = self.invalidate(target).await {
+                tracing::warn!(target_id = %target, error = %e, "could not drop a cache entry Redis refused to change");
+            }
+        }
+        error
     }
 
     /// Drops a target's entry, so the next read refills it from the durable totals.

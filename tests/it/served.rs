@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tally::domain::{Reaction, Totals};
 
-use crate::support::{Rng, TestEnv, TestResult, eventually, new_key};
+use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, free_port, new_key};
 
 const TARGETS: [&str; 4] = ["hot0", "hot1", "hot2", "hot3"];
 
@@ -552,4 +552,96 @@ async fn served_likes(
         .copied()
         .flatten()
         .map(|t| t.get(Reaction::Like)))
+}
+
+/// A Redis at its `maxmemory`, under the default `noeviction`, answers
+/// reads and refuses every write: the votes' cache steps and the
+/// consumer's writes through. An entry they could not move would serve
+/// its old count until it expired. Once the pipeline drains, the served
+/// count is the truth all the same, and so it stays when Redis takes
+/// writes again.
+#[tokio::test]
+async fn a_redis_that_refuses_writes_for_want_of_memory_never_leaves_a_count_stale() -> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let mut config = env.api_config();
+    config.stores.redis.url = url.clone();
+    let app = env.spawn_app_with(config).await;
+    let mut consumer = env.consumer_config();
+    consumer.stores.redis.url = url.clone();
+    let consumer = env.start_consumer_with(consumer);
+    let served = async || {
+        let summary = app.summary("reader", "full").await.json();
+        serde_json::from_value::<Totals>(summary["items"]["full"].clone()).ok()
+    };
+    let like = |n: usize| Totals::count(std::iter::repeat_n(Reaction::Like, n));
+    let vote = async |user: &str, action: &str| {
+        let reply = app.vote(user, new_key(), "full", action).await;
+        assert_eq!(reply.status, 200, "{user} {action}: {}", reply.body);
+    };
+    vote("ida", "like").await;
+    eventually("the first like served", Duration::from_secs(30), || async {
+        (served().await? == like(1)).then_some(())
+    })
+    .await;
+
+    let client = redis::Client::open(url.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query_async(&mut conn)
+        .await?;
+    let refused: redis::RedisResult<()> = redis::cmd("SET")
+        .arg("probe")
+        .arg("x")
+        .query_async(&mut conn)
+        .await;
+    assert!(
+        refused.as_ref().is_err_and(|e| e.code() == Some("OOM")),
+        "Redis still takes writes: {refused:?}"
+    );
+    vote("jon", "like").await;
+    vote("kim", "like").await;
+    vote("ida", "none").await;
+    eventually(
+        "the served count to follow the votes Redis would not store",
+        Duration::from_secs(20),
+        || async { (served().await? == like(2)).then_some(()) },
+    )
+    .await;
+    let metrics = crate::ops::scrape(&app.client, &format!("{}/metrics", app.ops)).await;
+    let refused = crate::ops::sample_sum(
+        &metrics,
+        "tally_cache_writes_refused_total",
+        &["step=\"vote\""],
+    );
+    assert!(
+        refused.is_some_and(|n| n >= 3.0),
+        "the three votes' refused cache steps counted: {refused:?}"
+    );
+
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query_async(&mut conn)
+        .await?;
+    vote("lea", "like").await;
+    eventually(
+        "the served count once Redis takes writes again",
+        Duration::from_secs(20),
+        || async { (served().await? == like(3)).then_some(()) },
+    )
+    .await;
+    consumer.stop().await;
+    let truth = env.recount().await;
+    assert_eq!(
+        truth.get("full").map(|t| t.totals).unwrap_or_default(),
+        like(3)
+    );
+    assert_eq!(served().await, Some(like(3)));
+    Ok(())
 }
