@@ -264,17 +264,12 @@ impl Caster {
         // Written into the key's record, so a refusal or a SERIAL read tells
         // whether this request's own batch is the one that applied.
         let owner = Uuid::new_v4();
-        // Three independent round trips, together rather than in turn: the
-        // totals the answer shows, the outbox intent (before the change can
-        // commit, so the relay can find it) and the registry entry (before a
-        // first reaction commits, so the sweep can find it; remembered, so
-        // once per target and process).
-        let (before, intent, ()) = tokio::try_join!(
-            self.counts.get(&vote.target_id),
+        // Together rather than in turn: the totals the answer shows, with
+        // the target registered if it may not be yet, and the outbox intent
+        // (before the change can commit, so the relay can find it).
+        let (before, intent) = tokio::try_join!(
+            self.totals_of_registered(vote),
             self.store.outbox.intend(user, key),
-            self.store
-                .targets
-                .register(&vote.target_id, vote.target_type),
         )?;
         // Optimistic: what this process last saw of the row, else no row. A
         // wrong guess costs one refused round, which returns the truth.
@@ -362,6 +357,31 @@ impl Caster {
             }
         }
         Err(CastError::Contention)
+    }
+
+    /// The target's served totals, with the target in the registry before
+    /// this vote can commit (so the sweep finds it, and a cache miss knows it
+    /// has reactions). A target this process registered writes nothing. Nor
+    /// does one whose served totals count anyone, where every registration
+    /// is seen by every read (`Targets::sees_every_registration`): a count
+    /// means a reaction committed, or a trusted consumer counted an event,
+    /// and either registered the target first; nothing deletes a registry
+    /// row. That spares a Cassandra write a target for each process after a
+    /// restart, or when its memory of targets is full: the long tail of
+    /// targets a vote or two each.
+    async fn totals_of_registered(&self, vote: &Vote) -> Result<Totals, StoreError> {
+        let targets = &self.store.targets;
+        let target = &vote.target_id;
+        if targets.remembers(target) {
+            return self.counts.get(target).await;
+        }
+        let before = self.counts.get(target).await?;
+        if before.is_zero() || !targets.sees_every_registration() {
+            targets.register(target, vote.target_type).await?;
+        } else {
+            targets.remember(target);
+        }
+        Ok(before)
     }
 
     /// The change (or none) and the record one attempt writes, given what it

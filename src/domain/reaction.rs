@@ -186,6 +186,11 @@ impl Totals {
         self.0
     }
 
+    /// Whether nothing is counted.
+    pub fn is_zero(self) -> bool {
+        self.0.iter().all(|v| *v == 0)
+    }
+
     /// Moves the totals by a delta. A total that would go negative means the
     /// delta was computed from a state the totals never counted; clamping at
     /// zero keeps the served number sane while reconcile repairs the cause.

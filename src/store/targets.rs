@@ -97,13 +97,19 @@ impl Targets {
             .execute_unpaged(&self.register, (target.as_str(), kind.as_str()))
             .await
             .map_err(super::request_failed)?;
+        self.remember(target);
+        Ok(())
+    }
+
+    /// Remembers a target known to be registered, as if this process had
+    /// registered it: a vote on it then writes nothing to the registry.
+    pub fn remember(&self, target: &TargetId) {
         if let Ok(mut s) = self.registered.lock() {
             if s.len() >= REMEMBERED {
                 s.clear();
             }
             s.insert(target.clone());
         }
-        Ok(())
     }
 
     /// Whether anyone has reacted to the target: false only when the

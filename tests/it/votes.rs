@@ -482,3 +482,74 @@ async fn a_vote_after_reading_its_page_takes_one_round_where_a_blind_one_takes_t
     assert_eq!(served["items"]["page_item"]["user_state"], "dislike");
     Ok(())
 }
+
+/// A process that has not registered a target still writes nothing to the
+/// registry for a vote on it when the served totals count someone: that
+/// count proves a registration before it. Where nobody is counted (a new
+/// target, or one whose every reaction was taken back) it registers.
+/// Cassandra's write time of the registry row says whether it was written.
+#[tokio::test]
+async fn a_vote_registers_its_target_only_where_the_served_totals_count_nobody() -> TestResult {
+    let env = TestEnv::new().await;
+    let written_at = async |target: &str| -> anyhow::Result<Option<i64>> {
+        let rows = env
+            .session
+            .query_unpaged(
+                "SELECT WRITETIME(target_type) FROM targets WHERE target_id = ?",
+                (target,),
+            )
+            .await?
+            .into_rows_result()?;
+        Ok(rows.maybe_first_row::<(Option<i64>,)>()?.and_then(|(t,)| t))
+    };
+    let first = env.spawn_app().await;
+    for (user, target, action) in [
+        ("reg1", "counted", "like"),
+        ("reg1", "emptied", "like"),
+        ("reg1", "emptied", "none"),
+    ] {
+        let reply = first.vote(user, new_key(), target, action).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let counted = written_at("counted")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("counted: not registered by its first vote"))?;
+    let emptied = written_at("emptied")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("emptied: not registered by its first vote"))?;
+    assert_eq!(written_at("fresh").await?, None);
+
+    // Another process, which registered nothing: it reads each target's
+    // totals for its answer anyway.
+    let second = env.spawn_app().await;
+    for (user, target) in [("reg2", "counted"), ("reg2", "emptied"), ("reg2", "fresh")] {
+        let reply = second.vote(user, new_key(), target, "like").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_eq!(
+        written_at("counted").await?,
+        Some(counted),
+        "a target counting a like is not registered again"
+    );
+    assert!(
+        written_at("emptied").await?.is_some_and(|t| t > emptied),
+        "a target counting nobody is registered again"
+    );
+    assert!(
+        written_at("fresh").await?.is_some(),
+        "a new target is registered"
+    );
+    // And the new target's count is served after its entry goes: the miss
+    // finds the registry row and reads the buckets.
+    let consumer = env.start_consumer();
+    env.wait_until_no_drift(std::time::Duration::from_secs(60))
+        .await;
+    consumer.stop().await;
+    let cache = tally::cache::Cache::new(&env.redis, std::time::Duration::from_secs(60))?;
+    cache
+        .invalidate(&tally::domain::TargetId::parse("fresh")?)
+        .await?;
+    let summary = second.summary("reg2", "fresh").await.json();
+    assert_eq!(summary["items"]["fresh"]["likes"], 1, "{summary}");
+    Ok(())
+}
