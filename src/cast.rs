@@ -246,8 +246,8 @@ impl Caster {
             .remember_all(user, rows.iter().map(|(t, c)| (t, *c)));
     }
 
-    /// Whether this process registered the target recently, so a vote on
-    /// it writes nothing to the registry.
+    /// Whether this process registered the target, or found it registered,
+    /// recently, so a vote on it writes nothing to the registry.
     pub fn knows_target(&self, target: &TargetId) -> bool {
         self.store.targets.remembers(target)
     }
@@ -361,14 +361,15 @@ impl Caster {
 
     /// The target's served totals, with the target in the registry before
     /// this vote can commit (so the sweep finds it, and a cache miss knows it
-    /// has reactions). A target this process registered writes nothing. Nor
-    /// does one whose served totals count anyone, where every registration
-    /// is seen by every read (`Targets::sees_every_registration`): a count
-    /// means a reaction committed, or a trusted consumer counted an event,
-    /// and either registered the target first; nothing deletes a registry
-    /// row. That spares a Cassandra write a target for each process after a
-    /// restart, or when its memory of targets is full: the long tail of
-    /// targets a vote or two each.
+    /// has reactions). A target this process registered, or found in the
+    /// registry, writes nothing. Nor does one whose served totals count
+    /// anyone, where every registration is seen by every read
+    /// (`Targets::sees_every_registration`): a count means a reaction
+    /// committed, or a trusted consumer counted an event, and either
+    /// registered the target first; nothing deletes a registry row. That
+    /// spares a Cassandra write a target for each process after a restart,
+    /// or when its memory of targets is full: the long tail of targets of a
+    /// vote or two each.
     async fn totals_of_registered(&self, vote: &Vote) -> Result<Totals, StoreError> {
         let targets = &self.store.targets;
         let target = &vote.target_id;

@@ -12,8 +12,9 @@ use scylla::statement::prepared::PreparedStatement;
 use super::{Levels, StoreError};
 use crate::domain::{TargetId, TargetType};
 
-/// Targets this process registered recently; the registry is an idempotent
-/// upsert, so forgetting (when the set is full) only costs a repeat write.
+/// Targets this process registered, or found registered, recently; the
+/// registry is an idempotent upsert, so forgetting (when the set is full)
+/// only costs a repeat write or read.
 const REMEMBERED: usize = 100_000;
 
 /// A sweep's resume point.
@@ -81,8 +82,8 @@ impl Targets {
         })
     }
 
-    /// Whether this process registered the target recently (a vote on it
-    /// writes nothing to the registry).
+    /// Whether this process registered the target, or found it registered,
+    /// recently (a vote on it writes nothing to the registry).
     pub fn remembers(&self, target: &TargetId) -> bool {
         self.registered.lock().is_ok_and(|s| s.contains(target))
     }
@@ -119,13 +120,18 @@ impl Targets {
     /// reaction to the target had committed when it began, and every bucket
     /// of the target was empty then. One partition, where the heads are one
     /// per bucket. Without `sees_every_registration` it answers true
-    /// without reading.
+    /// without reading. A row found is remembered.
     pub async fn has_reactions(&self, target: &TargetId) -> Result<bool, StoreError> {
         if self.remembers(target) || !self.sees_every_registration() {
             return Ok(true);
         }
         let row: Option<(String,)> =
             super::first_row(&self.session, &self.registered_row, (target.as_str(),)).await?;
+        if row.is_some() {
+            // For good: the next miss on it reads its buckets straight away,
+            // and a vote on it writes nothing here.
+            self.remember(target);
+        }
         Ok(row.is_some())
     }
 

@@ -486,7 +486,8 @@ async fn a_vote_after_reading_its_page_takes_one_round_where_a_blind_one_takes_t
 /// A process that has not registered a target still writes nothing to the
 /// registry for a vote on it when the served totals count someone: that
 /// count proves a registration before it. Where nobody is counted (a new
-/// target, or one whose every reaction was taken back) it registers.
+/// target, or one whose every reaction was taken back) it registers, unless
+/// a miss of this process found the registry row.
 /// Cassandra's write time of the registry row says whether it was written.
 #[tokio::test]
 async fn a_vote_registers_its_target_only_where_the_served_totals_count_nobody() -> TestResult {
@@ -507,6 +508,8 @@ async fn a_vote_registers_its_target_only_where_the_served_totals_count_nobody()
         ("reg1", "counted", "like"),
         ("reg1", "emptied", "like"),
         ("reg1", "emptied", "none"),
+        ("reg1", "read", "like"),
+        ("reg1", "read", "none"),
     ] {
         let reply = first.vote(user, new_key(), target, action).await;
         assert_eq!(reply.status, 200, "{}", reply.body);
@@ -517,11 +520,27 @@ async fn a_vote_registers_its_target_only_where_the_served_totals_count_nobody()
     let emptied = written_at("emptied")
         .await?
         .ok_or_else(|| anyhow::anyhow!("emptied: not registered by its first vote"))?;
+    let read = written_at("read")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("read: not registered by its first vote"))?;
     assert_eq!(written_at("fresh").await?, None);
 
     // Another process, which registered nothing: it reads each target's
-    // totals for its answer anyway.
+    // totals for its answer anyway. A page's miss on a target finds its
+    // registry row, which it remembers, though the target counts nobody.
     let second = env.spawn_app().await;
+    let cache = tally::cache::Cache::new(&env.redis, std::time::Duration::from_secs(60))?;
+    cache
+        .invalidate(&tally::domain::TargetId::parse("read")?)
+        .await?;
+    assert_eq!(second.summary("reg2", "read").await.status, 200);
+    let reply = second.vote("reg2", new_key(), "read", "like").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        written_at("read").await?,
+        Some(read),
+        "a target whose registry row a miss found is not registered again"
+    );
     for (user, target) in [("reg2", "counted"), ("reg2", "emptied"), ("reg2", "fresh")] {
         let reply = second.vote(user, new_key(), target, "like").await;
         assert_eq!(reply.status, 200, "{}", reply.body);
