@@ -365,18 +365,21 @@ impl Caster {
     /// registry, writes nothing. Nor does one whose served totals count
     /// anyone, where every registration is seen by every read
     /// (`Targets::sees_every_registration`): a count means a reaction
-    /// committed, or a trusted consumer counted an event, and either
-    /// registered the target first; nothing deletes a registry row. That
+    /// committed, or this release's trusted consumer counted an event, and
+    /// either registered the target first; nothing deletes a registry row.
+    /// (Targets an earlier release's trusted consumer counted have no row;
+    /// `tally reconcile --target` registers a target it finds rows for.) That
     /// spares a Cassandra write a target for each process after a restart,
     /// or when its memory of targets is full: the long tail of targets of a
     /// vote or two each.
     async fn totals_of_registered(&self, vote: &Vote) -> Result<Totals, StoreError> {
         let targets = &self.store.targets;
         let target = &vote.target_id;
-        if targets.remembers(target) {
-            return self.counts.get(target).await;
-        }
         let before = self.counts.get(target).await?;
+        // Asked after the read, whose miss may have found the row.
+        if targets.remembers(target) {
+            return Ok(before);
+        }
         if before.is_zero() || !targets.sees_every_registration() {
             targets.register(target, vote.target_type).await?;
         } else {

@@ -144,8 +144,16 @@ impl Reconciler {
         self
     }
 
-    /// Checks and repairs every bucket of one target.
+    /// Checks and repairs every bucket of one target, and registers it if
+    /// anyone has a row for it. A target counted but missing from the
+    /// registry (counted by an earlier release's trusted consumer, say) is
+    /// served as zeros once its cache entry goes, and votes that find it
+    /// counted do not register it; this is the repair. (The sweep walks the
+    /// registry, so its targets are in it already.)
     pub async fn target(&self, target: &TargetId, dry_run: bool) -> Result<Report, ReconcileError> {
+        if !dry_run && let Some(kind) = self.store.reactions.kind_of(target).await? {
+            self.store.targets.register(target, kind).await?;
+        }
         let part = Box::pin(self.target_part(target, Bucket::FIRST, dry_run, || false)).await?;
         Ok(part.report)
     }

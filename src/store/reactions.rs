@@ -122,6 +122,7 @@ pub struct Reactions {
     states: PreparedStatement,
     rows_of_users: PreparedStatement,
     by_target: PreparedStatement,
+    kind_of: PreparedStatement,
     first_change: Batch,
     next_change: Batch,
     unchanged: Batch,
@@ -190,6 +191,12 @@ impl Reactions {
         )
         .await
         .context("prepare by target")?;
+        let kind_of = super::prepare(
+            &session,
+            "SELECT target_type FROM reactions WHERE target_id = ? LIMIT 1",
+        )
+        .await
+        .context("prepare kind of target")?;
 
         let insert_first = super::prepare(
             &session,
@@ -258,6 +265,7 @@ impl Reactions {
             states,
             rows_of_users,
             by_target,
+            kind_of,
             key_ttl_secs,
         })
     }
@@ -445,6 +453,16 @@ impl Reactions {
             out.insert(user, Current { state, version });
         }
         Ok(out)
+    }
+
+    /// The type one of the target's rows names, if it has any (through the
+    /// SAI index).
+    pub async fn kind_of(&self, target: &TargetId) -> Result<Option<TargetType>, StoreError> {
+        let row: Option<(Option<String>,)> =
+            super::first_row(&self.session, &self.kind_of, (target.as_str(),)).await?;
+        Ok(row
+            .and_then(|(kind,)| kind)
+            .and_then(|k| TargetType::parse(&k)))
     }
 
     /// At most `limit` rows of one target whose users' tokens fall in

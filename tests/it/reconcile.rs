@@ -695,3 +695,62 @@ async fn a_view_older_than_the_store_in_its_head_or_in_its_rows_is_refused() -> 
     assert_eq!(stats.totals(&t).await?.get(Reaction::Like), 1);
     Ok(())
 }
+
+/// A target counted but missing from the registry (counted by an earlier
+/// release's trusted consumer, say) is served as zeros once its cache entry
+/// goes: a miss that finds no registry row reads no bucket. `tally
+/// reconcile --target` finds its rows and registers it again, and its
+/// count is served.
+#[tokio::test]
+async fn reconcile_target_registers_a_counted_target_missing_from_the_registry() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    for user in ["un1", "un2"] {
+        let reply = app
+            .vote(user, crate::support::new_key(), "unlisted", "like")
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let consumer = env.start_consumer();
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    consumer.stop().await;
+    env.cql("DELETE FROM targets WHERE target_id = 'unlisted'")
+        .await;
+    let cache = tally::cache::Cache::new(&env.redis, Duration::from_secs(60))?;
+    let likes = async |app: &crate::support::TestApp| {
+        cache.invalidate(&target("unlisted")).await?;
+        let summary = app.summary("reader", "unlisted").await.json();
+        summary["items"]["unlisted"]["likes"]
+            .as_i64()
+            .with_context(|| format!("{summary}"))
+    };
+    // A process that never registered it, so it asks the registry.
+    let unaware = env.spawn_app().await;
+    assert_eq!(likes(&unaware).await?, 0, "served as zeros without its row");
+
+    let out = env
+        .tally()
+        .args(["reconcile", "--target", "unlisted", "--dry-run"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(likes(&unaware).await?, 0, "a dry run registers nothing");
+    let out = env
+        .tally()
+        .args(["reconcile", "--target", "unlisted"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        likes(&unaware).await?,
+        2,
+        "served as counted once registered"
+    );
+    Ok(())
+}

@@ -561,7 +561,7 @@ async fn served_likes(
 /// count is the truth all the same, and so it stays when Redis takes
 /// writes again.
 #[tokio::test]
-async fn a_redis_that_refuses_writes_for_want_of_memory_never_leaves_a_count_stale() -> TestResult {
+async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refused() -> TestResult {
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);

@@ -558,8 +558,8 @@ async fn a_vote_registers_its_target_only_where_the_served_totals_count_nobody()
         written_at("fresh").await?.is_some(),
         "a new target is registered"
     );
-    // And the new target's count is served after its entry goes: the miss
-    // finds the registry row and reads the buckets.
+    // And the new target's count is served after its entry goes: this
+    // process registered it, so the miss reads the buckets.
     let consumer = env.start_consumer();
     env.wait_until_no_drift(std::time::Duration::from_secs(60))
         .await;
