@@ -561,7 +561,8 @@ async fn served_likes(
 /// count is the truth all the same, and so it stays when Redis takes
 /// writes again.
 #[tokio::test]
-async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refused() -> TestResult {
+async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refused() -> TestResult
+{
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
@@ -588,12 +589,22 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
 
     let client = redis::Client::open(url.as_str())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("1")
-        .query_async(&mut conn)
-        .await?;
+    let maxmemory = async |bytes: &str| -> redis::RedisResult<()> {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(bytes)
+            .query_async(&mut conn)
+            .await
+    };
+    let served_as = async |what: &str, likes: usize| {
+        eventually(what, Duration::from_secs(20), || async {
+            (served().await? == like(likes)).then_some(())
+        })
+        .await
+    };
+    maxmemory("1").await?;
     let refused: redis::RedisResult<()> = redis::cmd("SET")
         .arg("probe")
         .arg("x")
@@ -606,10 +617,9 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
     vote("jon", "like").await;
     vote("kim", "like").await;
     vote("ida", "none").await;
-    eventually(
+    served_as(
         "the served count to follow the votes Redis would not store",
-        Duration::from_secs(20),
-        || async { (served().await? == like(2)).then_some(()) },
+        2,
     )
     .await;
     let metrics = crate::ops::scrape(&app.client, &format!("{}/metrics", app.ops)).await;
@@ -623,19 +633,9 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
         "the three votes' refused cache steps counted: {refused:?}"
     );
 
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("0")
-        .query_async(&mut conn)
-        .await?;
+    maxmemory("0").await?;
     vote("lea", "like").await;
-    eventually(
-        "the served count once Redis takes writes again",
-        Duration::from_secs(20),
-        || async { (served().await? == like(3)).then_some(()) },
-    )
-    .await;
+    served_as("the served count once Redis takes writes again", 3).await;
     consumer.stop().await;
     let truth = env.recount().await;
     assert_eq!(
