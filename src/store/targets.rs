@@ -12,10 +12,38 @@ use scylla::statement::prepared::PreparedStatement;
 use super::{Levels, StoreError};
 use crate::domain::{TargetId, TargetType};
 
-/// Targets this process registered, or found registered, recently; the
-/// registry is an idempotent upsert, so forgetting (when the set is full)
-/// only costs a repeat write or read.
+/// Targets this process registered, or found registered, recently, at
+/// most; the registry is an idempotent upsert, so forgetting only costs a
+/// repeat write or read.
 const REMEMBERED: usize = 100_000;
+
+/// Registered targets in two generations of half the capacity each: when
+/// the newer fills, the older is forgotten and the newer takes its place.
+/// Emptying one set at once forgot every target together, and the next
+/// votes on them all wrote the registry again (and counted against their
+/// users' new-target limit) in a burst; now at most half is forgotten, the
+/// half least recently added.
+#[derive(Default)]
+struct Remembered {
+    newer: HashSet<TargetId>,
+    older: HashSet<TargetId>,
+}
+
+impl Remembered {
+    fn contains(&self, target: &TargetId) -> bool {
+        self.newer.contains(target) || self.older.contains(target)
+    }
+
+    fn insert(&mut self, target: &TargetId, capacity: usize) {
+        if self.contains(target) {
+            return;
+        }
+        if self.newer.len() >= capacity / 2 {
+            self.older = std::mem::take(&mut self.newer);
+        }
+        self.newer.insert(target.clone());
+    }
+}
 
 /// A sweep's resume point.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,7 +68,7 @@ pub struct Targets {
     write_checkpoint: PreparedStatement,
     delete_checkpoint: PreparedStatement,
     /// Shared by every session's copy: registered once per process.
-    registered: Arc<Mutex<HashSet<TargetId>>>,
+    registered: Arc<Mutex<Remembered>>,
     /// The level of plain reads and writes, the registry's included.
     quorum: Consistency,
 }
@@ -76,7 +104,7 @@ impl Targets {
                 )
                 .await?,
             delete_checkpoint: super::prepare(&session, "DELETE FROM reconcile_checkpoints WHERE name = ?").await?,
-            registered: Arc::new(Mutex::new(HashSet::new())),
+            registered: Arc::default(),
             quorum: levels.quorum,
             session,
         })
@@ -106,10 +134,7 @@ impl Targets {
     /// registered it: a vote on it then writes nothing to the registry.
     pub fn remember(&self, target: &TargetId) {
         if let Ok(mut s) = self.registered.lock() {
-            if s.len() >= REMEMBERED {
-                s.clear();
-            }
-            s.insert(target.clone());
+            s.insert(target, REMEMBERED);
         }
     }
 
@@ -231,8 +256,28 @@ fn registrations_overlap<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::registrations_overlap;
+    use super::{Remembered, registrations_overlap};
+    use crate::domain::TargetId;
     use scylla::statement::Consistency;
+
+    #[test]
+    fn a_full_memory_of_targets_forgets_the_older_half_not_everything() {
+        let t = |i: usize| TargetId::parse(&format!("t{i}")).unwrap_or_else(|e| panic!("{e}"));
+        let mut r = Remembered::default();
+        for i in 0..10 {
+            r.insert(&t(i), 10);
+        }
+        // Ten added with room for ten: all remembered, in two halves.
+        assert!((0..10).all(|i| r.contains(&t(i))));
+        // One more: the first five go, the last five and the new one stay.
+        r.insert(&t(10), 10);
+        assert!((0..5).all(|i| !r.contains(&t(i))));
+        assert!((5..11).all(|i| r.contains(&t(i))));
+        // Adding one already remembered changes nothing.
+        r.insert(&t(5), 10);
+        assert!((5..11).all(|i| r.contains(&t(i))));
+        assert!(r.newer.len() + r.older.len() <= 10);
+    }
 
     #[test]
     fn the_registry_decides_only_where_its_reads_see_every_registration() {
