@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, new_key};
+use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, free_port, new_key};
 
 /// Sums the samples of `name` whose labels contain every `labels` fragment.
 pub fn sample_sum(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
@@ -145,9 +145,7 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
 #[tokio::test]
 async fn readyz_names_redis_while_it_is_down_and_recovers_when_it_is_back() -> TestResult {
     let env = TestEnv::new().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())?;
+    let port = free_port();
     let redis = PrivateRedis::start(port);
     let mut config = env.api_config();
     config.stores.redis.url = format!("redis://127.0.0.1:{}", redis.port);

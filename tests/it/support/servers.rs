@@ -78,10 +78,38 @@ pub fn signal(sig: &str, pid: u32) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// A free port on 127.0.0.1.
+/// A port on 127.0.0.1 that nothing listens on, below the kernel's range
+/// of ephemeral ports, and not handed out before by this process. A port
+/// the kernel lends for port 0 is one it may lend again, to any outgoing
+/// connection (a Cassandra or Kafka client of a process the test just
+/// started), before the test's own server binds it: a cluster run once
+/// lost its second `tally vote` to "Address already in use" that way.
+/// Below the range only a listener takes a port, and the bind checks that.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("no free port: {e}"))
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let (lo, hi) = (ephemeral / 2, ephemeral);
+    // Processes running tests at once draw differently, and so do the
+    // calls of one process.
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32)
+        ^ DRAWS.fetch_add(1, Ordering::Relaxed);
+    let mut rng = super::Rng(seed);
+    for _ in 0..1_000 {
+        let port = lo + (rng.below(u64::from(hi - lo)) as u16);
+        let mut taken = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        if taken.contains(&port) || std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+            continue;
+        }
+        taken.push(port);
+        return port;
+    }
+    panic!("no free port between {lo} and {hi}")
 }
