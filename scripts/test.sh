@@ -71,7 +71,9 @@ cargo bench --locked --no-run
 echo "[test] the secure run (scripts/stack.sh up --secure)"
 scripts/stack.sh down
 scripts/stack.sh up --secure
-cargo test --locked --test secure -- --nocapture
+# A failed run takes its stack down too: another clone's stack.sh cannot see
+# it, and its servers would hold the ports that clone's stack needs.
+cargo test --locked --test secure -- --nocapture || { scripts/stack.sh down; exit 1; }
 scripts/stack.sh down
 
 # The cluster run: three Cassandra nodes and three Kafka brokers in place of
@@ -80,6 +82,6 @@ scripts/stack.sh down
 if [ "${TALLY_SKIP_CLUSTER:-0}" != 1 ]; then
     echo "[test] the cluster run (scripts/stack.sh up --cluster)"
     scripts/stack.sh up --cluster
-    cargo test --locked --test cluster -- --nocapture
+    cargo test --locked --test cluster -- --nocapture || { scripts/stack.sh down; exit 1; }
     scripts/stack.sh down
 fi
