@@ -20,6 +20,11 @@
 # and how long it took to count it (at most 120 s). TALLY_WRK_WARM=1 reads
 # every target's count once before the warm-up, as the pages voters come from
 # would, so that votes do not pay the cache's first fill.
+#
+# TALLY_WRK_THREADS=1 prints where Cassandra's CPU went over the loop, by
+# kind of thread (request stages, compaction, flushing, GC, the JIT...), per
+# request (threads.py): whether a store's cost is its requests' or its
+# background work's.
 set -euo pipefail
 BIN=$1; KIND=$2; SECS=${3:-10}; CONNS=${4:-32}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -68,9 +73,11 @@ if [ -n "$CONSUMER" ]; then
     # The warm-up's votes counted first, so the loop starts with none behind.
     until_counted
 fi
+[ "${TALLY_WRK_THREADS:-}" = 1 ] && python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.before"
 t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy); k0=$(cpu "$KAFKA"); n0=$(cpu "$COUNTER")
 "${CLIENT[@]}" wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
 t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy); k1=$(cpu "$KAFKA"); n1=$(cpu "$COUNTER")
+[ "${TALLY_WRK_THREADS:-}" = 1 ] && python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.after"
 requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
 refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
 ticks=$(getconf CLK_TCK)
@@ -88,6 +95,10 @@ if [ -n "$CONSUMER" ]; then
     until_counted
     printf 'the consumer was %s transitions behind at the end and counted them in %s ms (lag now %s)\n' \
         "$left" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(lag)"
+fi
+if [ "${TALLY_WRK_THREADS:-}" = 1 ]; then
+    echo "Cassandra's CPU by kind of thread:"
+    python3 "$HERE/threads.py" diff "$STATE/threads.before" "$STATE/threads.after" "$requests"
 fi
 # What the API saw: its Paxos outcomes and its admission, to explain a figure.
 curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true
