@@ -788,6 +788,9 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
         "a quorum back within the deadline: every CAS timeout resolved by the SERIAL read: {report}"
     );
     drop(consumers);
+    // The processes' logs are kept only for a run that failed: its account
+    // of why. A passing run's would pile up in /tmp, one folder a run.
+    let _ = std::fs::remove_dir_all(&logs);
 }
 
 /// What differs between the recount and `target_stats`, target by target,
