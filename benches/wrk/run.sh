@@ -73,11 +73,15 @@ if [ -n "$CONSUMER" ]; then
     # The warm-up's votes counted first, so the loop starts with none behind.
     until_counted
 fi
-[ "${TALLY_WRK_THREADS:-}" = 1 ] && python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.before"
+# Cassandra's threads, only where the stack's pid file named it; a failed
+# snapshot costs the breakdown, never the run's figures.
+THREADS=
+[ "${TALLY_WRK_THREADS:-}" = 1 ] && [ "$CASSANDRA" != $$ ] && THREADS=1
+[ -n "$THREADS" ] && { python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.before" || THREADS=; }
 t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy); k0=$(cpu "$KAFKA"); n0=$(cpu "$COUNTER")
 "${CLIENT[@]}" wrk -t1 -c"$CONNS" -d"${SECS}s" --latency -s "$HERE/$KIND.lua" http://127.0.0.1:18080 >"$STATE/wrk.out"
 t1=$(cpu); c1=$(cpu "$CASSANDRA"); r1=$(cpu "$REDIS"); m1=$(busy); k1=$(cpu "$KAFKA"); n1=$(cpu "$COUNTER")
-[ "${TALLY_WRK_THREADS:-}" = 1 ] && python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.after"
+[ -n "$THREADS" ] && { python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.after" || THREADS=; }
 requests=$(grep -o '[0-9]* requests in' "$STATE/wrk.out" | awk '{print $1}')
 refused=$(grep -o 'Non-2xx or 3xx responses: [0-9]*' "$STATE/wrk.out" | awk '{print $NF}' || true)
 ticks=$(getconf CLK_TCK)
@@ -96,9 +100,9 @@ if [ -n "$CONSUMER" ]; then
     printf 'the consumer was %s transitions behind at the end and counted them in %s ms (lag now %s)\n' \
         "$left" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(lag)"
 fi
-if [ "${TALLY_WRK_THREADS:-}" = 1 ]; then
+if [ -n "$THREADS" ]; then
     echo "Cassandra's CPU by kind of thread:"
-    python3 "$HERE/threads.py" diff "$STATE/threads.before" "$STATE/threads.after" "$requests"
+    python3 "$HERE/threads.py" diff "$STATE/threads.before" "$STATE/threads.after" "$requests" || true
 fi
 # What the API saw: its Paxos outcomes and its admission, to explain a figure.
 curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true
