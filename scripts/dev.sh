@@ -24,6 +24,10 @@ mkdir -p .stack
 export TALLY_JWT_SECRET=${TALLY_JWT_SECRET:-$(cat .stack/dev-jwt-secret)}
 export TALLY_JWT_ISSUER=${TALLY_JWT_ISSUER:-tally-dev}
 export TALLY_JWT_AUDIENCE=${TALLY_JWT_AUDIENCE:-tally-dev}
+# The key the vote API signs transitions with and the consumer verifies them
+# with, so the consumer needs no read of the rows behind the API's events.
+[ -s .stack/dev-event-key ] || openssl rand -hex 32 >.stack/dev-event-key
+export TALLY_EVENT_SIGNING_KEY=${TALLY_EVENT_SIGNING_KEY:-$(cat .stack/dev-event-key)}
 # An optimised build, so first latencies are the service's own. TALLY_PROFILE=dev
 # builds faster (and shares its build with scripts/test.sh).
 PROFILE=${TALLY_PROFILE:-release}

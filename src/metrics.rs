@@ -54,6 +54,9 @@ pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
 pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
 pub const EVENTS: &str = "tally_consumer_events_total";
+/// How the consumer checked each event's provenance (signature, row,
+/// row_bad_signature).
+pub const EVENT_CHECKS: &str = "tally_consumer_event_checks_total";
 pub const HTTP_RESPONSES: &str = "tally_http_responses_total";
 /// The adaptive admission limit, by kind (vote, summary).
 pub const ADMISSION_LIMIT: &str = "tally_admission_limit";
@@ -185,6 +188,10 @@ fn describe() {
         "transitions whose from was not the counted state (lost or reordered events)"
     );
     describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
+    describe_counter!(
+        EVENT_CHECKS,
+        "how the consumer checked that each event came from the vote API (signature: its signature verified, no read; row: read against the user's row; row_bad_signature: signed, but not with the consumer's key)"
+    );
     describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
     describe_gauge!(
         ADMISSION_LIMIT,

@@ -19,7 +19,8 @@
 # its CPU and Kafka's per request, and after the loop prints the lag it left
 # and how long it took to count it (at most 120 s). TALLY_WRK_WARM=1 reads
 # every target's count once before the warm-up, as the pages voters come from
-# would, so that votes do not pay the cache's first fill.
+# would, so that votes do not pay the cache's first fill. With
+# TALLY_EVENT_SIGNING_KEY set, both sign and verify transitions with it.
 #
 # TALLY_WRK_THREADS=1 prints where Cassandra's CPU went over the loop, by
 # kind of thread (request stages, compaction, flushing, GC, the JIT...), per
@@ -99,6 +100,9 @@ if [ -n "$CONSUMER" ]; then
     until_counted
     printf 'the consumer was %s transitions behind at the end and counted them in %s ms (lag now %s)\n' \
         "$left" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(lag)"
+    # How it checked the events (with TALLY_EVENT_SIGNING_KEY set, the signed
+    # ones were not read against the rows).
+    curl -sf http://127.0.0.1:19091/metrics | grep -E '^tally_consumer_event_checks_total' || true
 fi
 if [ -n "$THREADS" ]; then
     echo "Cassandra's CPU by kind of thread:"

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod dead_letter;
 pub mod lag;
 pub mod publisher;
+pub mod signature;
 pub mod source;
 
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, Producer};
 
 use crate::secret::Secret;
+use signature::EventKey;
 
 /// Where Kafka is and which topics tally uses.
 #[derive(clap::Args, Debug, Clone)]
@@ -75,6 +77,20 @@ pub struct KafkaConfig {
         env = "TALLY_KAFKA_TLS_CA"
     )]
     pub tls_ca: Option<PathBuf>,
+
+    /// HMAC-SHA256 key (at least 32 bytes) the vote API signs the
+    /// transitions it publishes with, and the consumer verifies them with:
+    /// an event whose signature verifies is counted without reading the
+    /// user's row behind it. Give both the same key. An event unsigned or
+    /// not signed with it is read against the rows, as with no key at all.
+    /// Never printed.
+    #[arg(
+        long = "event-signing-key",
+        value_name = "KEY",
+        env = "TALLY_EVENT_SIGNING_KEY",
+        hide_env_values = true
+    )]
+    pub event_key: Option<EventKey>,
 }
 
 /// See `--kafka-security`.
@@ -96,6 +112,7 @@ impl KafkaConfig {
             password: None,
             sasl_mechanism: "SCRAM-SHA-512".into(),
             tls_ca: None,
+            event_key: None,
         }
     }
 

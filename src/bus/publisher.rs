@@ -9,6 +9,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 
 use super::KafkaConfig;
+use super::signature::{self, EventKey};
 use crate::domain::Transition;
 
 /// Header carrying the id of the HTTP request that caused a message.
@@ -30,6 +31,7 @@ pub const SHORTEST_TIMEOUT: Duration = Duration::from_millis(50);
 pub struct Publisher {
     producer: FutureProducer,
     topic: String,
+    key: Option<EventKey>,
 }
 
 impl Publisher {
@@ -51,6 +53,7 @@ impl Publisher {
         Ok(Publisher {
             producer,
             topic: config.topic.clone(),
+            key: config.event_key.clone(),
         })
     }
 
@@ -59,10 +62,16 @@ impl Publisher {
         let payload = transition
             .to_json()
             .context("Failed to encode the transition")?;
-        let headers = OwnedHeaders::new().insert(Header {
+        let mut headers = OwnedHeaders::new().insert(Header {
             key: REQUEST_ID_HEADER,
             value: Some(request_id),
         });
+        if let Some(key) = &self.key {
+            headers = headers.insert(Header {
+                key: signature::HEADER,
+                value: Some(&key.sign(&payload)),
+            });
+        }
         let record = FutureRecord::to(&self.topic)
             .key(transition.target_id.as_str())
             .payload(&payload)

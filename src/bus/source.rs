@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::BorrowedMessage;
+use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{Message, Offset, TopicPartitionList};
 
 use super::KafkaConfig;
@@ -26,6 +26,8 @@ pub struct Received {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Vec<u8>,
+    /// The `tally-signature` header's value, if it has one.
+    pub signature: Option<Vec<u8>>,
     /// When Kafka took the message, in ms since the epoch, if it says.
     pub timestamp_ms: Option<i64>,
 }
@@ -38,6 +40,11 @@ impl Received {
             offset: m.offset(),
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            signature: m.headers().and_then(|h| {
+                h.iter()
+                    .find(|h| h.key == super::signature::HEADER)
+                    .and_then(|h| h.value.map(<[u8]>::to_vec))
+            }),
             timestamp_ms: m.timestamp().to_millis(),
         }
     }

@@ -127,6 +127,14 @@ pub struct Progress {
     /// Targets registered before their events were counted (with
     /// `--trust-events`), once per target and process.
     pub registrations: AtomicU64,
+    /// Reads of the users' rows behind events (one per chunk of a
+    /// target's unsigned events).
+    pub row_reads: AtomicU64,
+    /// Events kept without a read because their signature verified.
+    pub signed: AtomicU64,
+    /// Events signed, but not with this consumer's key (or altered since),
+    /// which were read against the rows instead.
+    pub bad_signatures: AtomicU64,
     /// The port /metrics, /healthz and /readyz are served on.
     pub ops_port: AtomicU64,
 }
@@ -639,7 +647,10 @@ impl Worker<'_> {
 
     /// The events that agree with their users' rows of `target`; the rest
     /// are dead-lettered with the reason. A transition is published only
-    /// after its row committed, so no true event is ahead of its row.
+    /// after its row committed, so no true event is ahead of its row. An
+    /// event signed with this consumer's `--event-signing-key` was made by
+    /// the vote API and is kept without a read (`bus::signature`); only the
+    /// others' users are read. The order of the events is kept.
     async fn checked<'m>(
         &self,
         rows: &Reactions,
@@ -647,7 +658,13 @@ impl Worker<'_> {
         (events, sources): (Vec<Transition>, Vec<&'m Received>),
         stop: &watch::Receiver<bool>,
     ) -> anyhow::Result<(Vec<Transition>, Vec<&'m Received>)> {
-        let mut users: Vec<&UserId> = events.iter().map(|t| &t.user_id).collect();
+        let signed: Vec<bool> = sources.iter().map(|m| self.signed(m)).collect();
+        let mut users: Vec<&UserId> = events
+            .iter()
+            .zip(&signed)
+            .filter(|(_, signed)| !**signed)
+            .map(|(t, _)| &t.user_id)
+            .collect();
         users.sort_unstable();
         users.dedup();
         let mut found = HashMap::new();
@@ -657,14 +674,20 @@ impl Worker<'_> {
             })
             .await?;
             self.progress.requests.fetch_add(1, Ordering::Relaxed);
+            self.progress.row_reads.fetch_add(1, Ordering::Relaxed);
             found.extend(read);
         }
         let mut kept = (
             Vec::with_capacity(events.len()),
             Vec::with_capacity(events.len()),
         );
-        for (t, m) in events.into_iter().zip(sources) {
-            match contradicts(&t, found.get(&t.user_id)) {
+        for ((t, m), signed) in events.into_iter().zip(sources).zip(signed) {
+            let refusal = if signed {
+                None
+            } else {
+                contradicts(&t, found.get(&t.user_id))
+            };
+            match refusal {
                 Some(reason) => self.dead_letter(m, &reason, "invalid", stop).await?,
                 None => {
                     kept.0.push(t);
@@ -673,6 +696,25 @@ impl Worker<'_> {
             }
         }
         Ok(kept)
+    }
+
+    /// Whether `m` carries a signature this consumer's key verifies, and
+    /// the metrics of how it was checked.
+    fn signed(&self, m: &Received) -> bool {
+        let key = self.config.stores.kafka.event_key.as_ref();
+        let by = match (key, m.signature.as_deref()) {
+            (Some(key), Some(sig)) if key.verifies(&m.payload, sig) => {
+                self.progress.signed.fetch_add(1, Ordering::Relaxed);
+                "signature"
+            }
+            (Some(_), Some(_)) => {
+                self.progress.bad_signatures.fetch_add(1, Ordering::Relaxed);
+                "row_bad_signature"
+            }
+            _ => "row",
+        };
+        metrics::counter!(crate::metrics::EVENT_CHECKS, "by" => by).increment(1);
+        by == "signature"
     }
 
     /// Parks the events of a chunk whose bucket keeps failing while

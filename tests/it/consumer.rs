@@ -683,3 +683,123 @@ async fn a_target_counted_from_trusted_events_alone_is_served_after_its_entry_is
     );
     Ok(())
 }
+
+/// A key for `--event-signing-key`.
+fn event_key(s: &str) -> tally::bus::signature::EventKey {
+    format!("{s}-an-event-signing-key-of-32-bytes")
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `target`'s (likes, dislikes) as `GET /v1/votes/summary` serves them.
+async fn served(app: &crate::support::TestApp, target: &str) -> (i64, i64) {
+    let summary = app.summary("checker", target).await.json();
+    let item = &summary["items"][target];
+    (
+        item["likes"].as_i64().unwrap_or(-1),
+        item["dislikes"].as_i64().unwrap_or(-1),
+    )
+}
+
+fn load(n: &std::sync::atomic::AtomicU64) -> u64 {
+    n.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[tokio::test]
+async fn signed_votes_are_counted_without_reading_their_rows_and_forgeries_are_still_refused()
+-> TestResult {
+    let mut env = TestEnv::new().await;
+    let key = event_key("ours");
+    env.kafka.event_key = Some(key.clone());
+    let app = env.spawn_app().await;
+    for (user, action) in [
+        ("ana", "like"),
+        ("bob", "like"),
+        ("ana", "dislike"),
+        ("cy", "like"),
+        ("cy", "none"),
+    ] {
+        let reply = app.vote(user, new_key(), "video_s", action).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let from_votes = env.published();
+    assert_eq!(from_votes, 5);
+    // Every transition the API published carries its signature.
+    for (payload, signature) in env.messages().await {
+        let signature = signature.unwrap_or_else(|| panic!("unsigned: {payload:?}"));
+        assert!(key.verifies(&payload, &signature));
+    }
+
+    // What someone who can write to the topic but lacks the key could
+    // inject: an event signed with another key, a signed event altered
+    // after signing, and an unsigned one. None has a row behind it.
+    let forged = transition("mallory", "video_s", "none", "like", 1);
+    let other = event_key("theirs").sign(&forged);
+    env.publish_raw_signed("video_s", &forged, Some(&other))
+        .await;
+    let signed = transition("eve", "video_s", "none", "like", 1);
+    let altered = transition("evf", "video_s", "none", "like", 1);
+    env.publish_raw_signed("video_s", &altered, Some(&key.sign(&signed)))
+        .await;
+    env.publish_raw(
+        "video_s",
+        &transition("oscar", "video_s", "none", "like", 1),
+    )
+    .await;
+
+    let consumer = env.start_consumer();
+    eventually(
+        "the votes counted and the forgeries dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            (consumer.processed() >= 8 && load(&consumer.progress.dead_lettered) == 3).then_some(())
+        },
+    )
+    .await;
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let video = &env.stats().await["video_s"];
+    assert_eq!((video.likes(), video.dislikes()), (1, 1));
+    assert_eq!(served(&app, "video_s").await, (1, 1));
+    let progress = &consumer.progress;
+    assert_eq!(load(&progress.signed), 5, "the votes' events, unread");
+    assert_eq!(load(&progress.bad_signatures), 2);
+    // Only the forgeries' users were read: one read for their chunk, or a
+    // few if Kafka handed them over in more than one batch.
+    assert!((1..=3).contains(&load(&progress.row_reads)));
+    consumer.stop().await;
+
+    let reasons: Vec<(String, String)> = dead_letters(&env, 3).await?;
+    assert!(
+        reasons.iter().all(|(_, r)| r.contains("no reaction row")),
+        "{reasons:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_consumer_with_another_key_reads_the_rows_and_counts_every_vote() -> TestResult {
+    // A key being changed: the vote API already signs with the new key,
+    // the consumer still verifies with the old one.
+    let mut env = TestEnv::new().await;
+    let mut api = env.api_config();
+    api.stores.kafka.event_key = Some(event_key("new"));
+    let app = env.spawn_app_with(api).await;
+    for (user, action) in [("ana", "like"), ("bob", "dislike"), ("ana", "none")] {
+        let reply = app.vote(user, new_key(), "video_k", action).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    env.kafka.event_key = Some(event_key("old"));
+    let consumer = env.start_consumer();
+    processed_at_least(&consumer, 3).await;
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let video = &env.stats().await["video_k"];
+    assert_eq!((video.likes(), video.dislikes()), (0, 1));
+    assert_eq!(served(&app, "video_k").await, (0, 1));
+    let progress = &consumer.progress;
+    assert_eq!(load(&progress.signed), 0);
+    assert_eq!(load(&progress.bad_signatures), 3);
+    assert!(load(&progress.row_reads) >= 1);
+    assert_eq!(load(&progress.dead_lettered), 0, "no vote refused");
+    consumer.stop().await;
+    Ok(())
+}

@@ -363,3 +363,51 @@ async fn lingering_marks_are_all_written_whether_their_partition_fills_or_not() 
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn the_relay_signs_what_it_publishes_and_the_consumer_counts_it_unread() -> TestResult {
+    let mut env = TestEnv::new().await;
+    let key: tally::bus::signature::EventKey = "the-relay-test-event-signing-key-32b"
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    env.kafka.event_key = Some(key.clone());
+    let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
+    for (user, action) in [
+        ("u0", "like"),
+        ("u1", "dislike"),
+        ("u0", "dislike"),
+        ("u2", "like"),
+        ("u1", "none"),
+        ("u3", "like"),
+    ] {
+        let reply = cut_off.vote(user, new_key(), "t0", action).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_eq!(env.published(), 0, "nothing reached Kafka yet");
+
+    let relay = env.spawn_app_with(relaying(&env)).await;
+    let consumer = env.start_consumer();
+    env.wait_until_no_drift(Duration::from_secs(90)).await;
+    let messages = env.messages().await;
+    assert!(messages.len() >= 6, "{} published", messages.len());
+    for (payload, signature) in &messages {
+        let signature = signature.as_deref().unwrap_or_default();
+        assert!(key.verifies(payload, signature), "{payload:?}");
+    }
+    let progress = &consumer.progress;
+    eventually(
+        "the consumer to take every published event",
+        Duration::from_secs(30),
+        || async { (consumer.processed() >= messages.len() as u64).then_some(()) },
+    )
+    .await;
+    let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(load(&progress.signed), messages.len() as u64);
+    assert_eq!(load(&progress.row_reads), 0);
+    consumer.stop().await;
+    let truth = env.recount().await;
+    let served: Totals =
+        serde_json::from_value(relay.summary("checker", "t0").await.json()["items"]["t0"].clone())?;
+    assert_eq!(served, truth["t0"].totals);
+    Ok(())
+}

@@ -76,19 +76,29 @@ impl TestEnv {
 
     /// Publishes raw bytes to the transitions topic, keyed like the API does.
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        self.publish_raw_signed(key, payload, None).await;
+    }
+
+    /// The same, with `signature` in the header the API signs in.
+    pub async fn publish_raw_signed(&self, key: &str, payload: &[u8], signature: Option<&str>) {
+        use rdkafka::message::{Header, OwnedHeaders};
         use rdkafka::producer::{FutureProducer, FutureRecord};
         let producer: FutureProducer = self
             .kafka
             .client()
             .create()
             .unwrap_or_else(|e| panic!("{e}"));
+        let mut record = FutureRecord::to(&self.kafka.topic)
+            .key(key)
+            .payload(payload);
+        if let Some(signature) = signature {
+            record = record.headers(OwnedHeaders::new().insert(Header {
+                key: tally::bus::signature::HEADER,
+                value: Some(signature),
+            }));
+        }
         producer
-            .send(
-                FutureRecord::to(&self.kafka.topic)
-                    .key(key)
-                    .payload(payload),
-                Duration::from_secs(10),
-            )
+            .send(record, Duration::from_secs(10))
             .await
             .unwrap_or_else(|(e, _)| panic!("{e}"));
     }
@@ -131,7 +141,21 @@ impl TestEnv {
 
     /// Every transition on the topic, in partition order.
     pub async fn transitions(&self) -> Vec<tally::domain::Transition> {
+        self.messages()
+            .await
+            .into_iter()
+            .map(|(payload, _)| {
+                tally::domain::Transition::from_json(&payload)
+                    .unwrap_or_else(|e| panic!("bad event on the topic: {e}"))
+            })
+            .collect()
+    }
+
+    /// Every message on the topic, in partition order: its payload and its
+    /// signature header, if it has one.
+    pub async fn messages(&self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::message::Headers;
         use rdkafka::{Message, Offset, TopicPartitionList};
         let expected = self.published();
         let consumer: BaseConsumer = self
@@ -160,9 +184,12 @@ impl TestEnv {
             );
             if let Some(msg) = consumer.poll(Duration::from_millis(200)) {
                 let msg = msg.unwrap_or_else(|e| panic!("{e}"));
-                let t = tally::domain::Transition::from_json(msg.payload().unwrap_or_default())
-                    .unwrap_or_else(|e| panic!("bad event on the topic: {e}"));
-                out.push(t);
+                let signature = msg.headers().and_then(|h| {
+                    h.iter()
+                        .find(|h| h.key == tally::bus::signature::HEADER)
+                        .and_then(|h| h.value.map(<[u8]>::to_vec))
+                });
+                out.push((msg.payload().unwrap_or_default().to_vec(), signature));
             }
         }
         out
