@@ -50,7 +50,8 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
         format!("--ops-listen=127.0.0.1:{ops}"),
     );
     let mut vote = spawn("vote", &[&listen.0, &listen.1]);
-    let _consumer = spawn("consumer", &[]);
+    let consumer_ops = free_port();
+    let _consumer = spawn("consumer", &[&format!("--listen=127.0.0.1:{consumer_ops}")]);
     let client = reqwest::Client::new();
     if let Err(e) = support::until_serving(
         &client,
@@ -128,6 +129,24 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
     )
     .await;
     eprintln!("secure: served {served}");
+
+    // The two roles share the stack's event signing key: the consumer kept
+    // every event by its signature and read no row behind one.
+    let metrics = client
+        .get(format!("http://127.0.0.1:{consumer_ops}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let checks = |by: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("tally_consumer_event_checks_total{{by=\"{by}\"}}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(checks("signature") > 0.0, "{metrics}");
+    assert_eq!((checks("row"), checks("row_bad_signature")), (0.0, 0.0));
 
     // Reconcile, as the migrating role, finds nothing to repair.
     let out = env
@@ -238,13 +257,21 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
     // None of it printed a password.
     for role in ["vote", "consumer", "admin"] {
         for (k, v) in secure_vars(role) {
-            if k.ends_with("_PASSWORD") {
+            if k.ends_with("_PASSWORD") || k.ends_with("_KEY") {
                 assert!(!printed.contains(&v), "{k} printed");
             }
         }
     }
     drop((vote, _consumer));
     for role in ["vote", "consumer"] {
+        // Nor did either process log its signing key.
+        let log = std::fs::read_to_string(log_of(role)).unwrap_or_default();
+        for (k, v) in secure_vars(role) {
+            assert!(
+                k != "TALLY_EVENT_SIGNING_KEY" || !log.contains(&v),
+                "{role} logged {k}"
+            );
+        }
         let _ = std::fs::remove_file(log_of(role));
     }
     Ok(())

@@ -13,7 +13,8 @@
 #   controller listener takes TLS with a client certificate only.
 # - Redis: TLS only, the `default` user off, the ACL user `tally`.
 #
-# Random passwords are written once to $SECURE/passwords.env, and each
+# Random passwords (and the key the vote API signs transitions with) are
+# written once to $SECURE/passwords.env, and each
 # role's TALLY_* variables to $SECURE/{admin,vote,consumer}.env, for
 # `set -a; . .stack/secure/vote.env` before `tally vote`.
 
@@ -27,6 +28,16 @@ SECURE_GROUP=tally-consumer
 
 secure_secrets() {
     if [ -s "$SECURE/passwords.env" ] && [ -s "$SECURE/server.p12" ]; then
+        # A folder made before the event signing key: add one, and write
+        # the roles' variables again with it.
+        if ! grep -q '^EVENT_SIGNING_KEY=' "$SECURE/passwords.env"; then
+            echo "EVENT_SIGNING_KEY=$(openssl rand -hex 32)" >>"$SECURE/passwords.env"
+            # shellcheck disable=SC1091
+            . "$SECURE/passwords.env"
+            secure_role_env admin tally-admin "$KAFKA_TALLY_ADMIN_PASSWORD"
+            secure_role_env vote tally-vote "$KAFKA_VOTE_PASSWORD"
+            secure_role_env consumer tally-consumer "$KAFKA_CONSUMER_PASSWORD"
+        fi
         return 0
     fi
     command -v openssl >/dev/null || apt_install openssl
@@ -56,6 +67,7 @@ secure_secrets() {
         echo "KAFKA_VOTE_PASSWORD=$(pw)"
         echo "KAFKA_CONSUMER_PASSWORD=$(pw)"
         echo "REDIS_TALLY_PASSWORD=$(pw)"
+        echo "EVENT_SIGNING_KEY=$(openssl rand -hex 32)"
     } >"$SECURE/passwords.env.new"
     chmod 600 "$SECURE/passwords.env.new"
     # shellcheck disable=SC1091
@@ -84,6 +96,10 @@ TALLY_REDIS_USER=tally
 TALLY_REDIS_PASSWORD=$REDIS_TALLY_PASSWORD
 TALLY_REDIS_TLS_CA=$SECURE/ca.pem
 EOF
+    # The vote API signs transitions and the consumer verifies them.
+    case $1 in
+        vote | consumer) echo "TALLY_EVENT_SIGNING_KEY=$EVENT_SIGNING_KEY" >>"$SECURE/$1.env" ;;
+    esac
     chmod 600 "$SECURE/$1.env"
 }
 
