@@ -64,6 +64,11 @@ pub struct Status {
     pub cas_applied: f64,
     pub drift_found: f64,
     pub dead_letters: f64,
+    /// How the consumer checked events since it started: by signature, by a
+    /// read of the rows, and signed but not with its key (read instead).
+    pub checked_by_signature: f64,
+    pub checked_by_row: f64,
+    pub bad_signatures: f64,
     /// Services that did not answer, with why.
     pub unreachable: Vec<String>,
 }
@@ -134,6 +139,7 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Sta
     let hits = vote.sum("tally_cache_lookups_total", &[("result", "hit")]);
     let misses = vote.sum("tally_cache_lookups_total", &[("result", "miss")]);
     let cas = |outcome| vote.sum("tally_cas_total", &[("outcome", outcome)]);
+    let checks = |by| consumer.sum("tally_consumer_event_checks_total", &[("by", by)]);
     Ok(Status {
         votes_per_sec: (vote.sum("tally_vote_write_seconds_count", &[])
             - before.sum("tally_vote_write_seconds_count", &[]))
@@ -159,6 +165,9 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Sta
         cas_applied: cas("applied"),
         drift_found: vote.sum("tally_reconcile_drift_found_total", &[]),
         dead_letters: consumer.sum("tally_consumer_dead_lettered_total", &[]),
+        checked_by_signature: checks("signature"),
+        checked_by_row: checks("row") + checks("row_bad_signature"),
+        bad_signatures: checks("row_bad_signature"),
         unreachable,
     })
 }
@@ -346,6 +355,14 @@ pub fn screen(s: &Status, colour: bool) -> String {
         "dead letters",
         s.dead_letters > 0.0,
         format!("{:.0}", s.dead_letters),
+    );
+    line(
+        "events checked",
+        s.bad_signatures > 0.0,
+        format!(
+            "{:.0} by signature, {:.0} by row ({:.0} of them signed with another key)",
+            s.checked_by_signature, s.checked_by_row, s.bad_signatures
+        ),
     );
     for u in &s.unreachable {
         line("not answering", true, u.clone());

@@ -197,11 +197,24 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
     let env = TestEnv::new().await;
     // Processes of their own: each has its own metrics, as in production.
     let consumer_ops = free_port();
-    let (_vote, app) = env.spawn_vote_process(|_| {}).await?;
+    // Signing keys that differ, as while one is being changed: every event
+    // is read against the rows, and the screen marks it.
+    let (_vote, app) = env
+        .spawn_vote_process(|cmd| {
+            cmd.env(
+                "TALLY_EVENT_SIGNING_KEY",
+                "the-vote-api-s-new-signing-key-32b",
+            );
+        })
+        .await?;
     let _consumer = Proc(
         env.tally()
             .arg("consumer")
             .env("TALLY_CONSUMER_LISTEN", format!("127.0.0.1:{consumer_ops}"))
+            .env(
+                "TALLY_EVENT_SIGNING_KEY",
+                "the-consumer-s-old-signing-key-32b",
+            )
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()?,
@@ -278,6 +291,22 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         num("drift_found"),
         metric("tally_reconcile_drift_found_total", &[])
     );
+    let consumer = scrape(&app.client, &format!("{consumer_url}/metrics")).await;
+    let checked = |by: &str| {
+        sample_sum(
+            &consumer,
+            "tally_consumer_event_checks_total",
+            &[&format!("by=\"{by}\"")],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(checked("row_bad_signature") > 0.0, "{consumer}");
+    assert_eq!(num("bad_signatures"), checked("row_bad_signature"));
+    assert_eq!(
+        num("checked_by_row"),
+        checked("row") + checked("row_bad_signature")
+    );
+    assert_eq!(num("checked_by_signature"), 0.0);
     assert_eq!(num("votes_per_sec"), 0.0, "nothing voted during its reads");
     let lag = status["lag"].as_array().cloned().unwrap_or_default();
     assert_eq!(
@@ -296,6 +325,14 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         .output()?;
     let screen = String::from_utf8_lossy(&screen.stdout).into_owned();
     assert!(screen.contains("dead letters          1  (!)"), "{screen}");
+    assert!(
+        screen.contains(&format!(
+            "events checked        0 by signature, {} by row ({} of them signed with another key)  (!)",
+            num("checked_by_row"),
+            num("bad_signatures")
+        )),
+        "{screen}"
+    );
     assert!(screen.contains("lag, partition 0"), "{screen}");
     Ok(())
 }
