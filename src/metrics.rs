@@ -55,7 +55,7 @@ pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
 pub const EVENTS: &str = "tally_consumer_events_total";
 /// How the consumer checked each event's provenance (signature, row,
-/// row_bad_signature).
+/// row_bad_signature, row_unsigned, row_unverified).
 pub const EVENT_CHECKS: &str = "tally_consumer_event_checks_total";
 pub const HTTP_RESPONSES: &str = "tally_http_responses_total";
 /// The adaptive admission limit, by kind (vote, summary).
@@ -190,7 +190,7 @@ fn describe() {
     describe_counter!(EVENTS, "transitions counted by result (applied, replay)");
     describe_counter!(
         EVENT_CHECKS,
-        "how the consumer checked that each event came from the vote API (signature: its signature verified, no read; row: read against the user's row; row_bad_signature: signed, but not with the consumer's key)"
+        "how the consumer checked that each event came from the vote API (signature: its signature verified, no read; row: read against the user's row, no key on either side; row_bad_signature: signed, but not with the consumer's key, or altered; row_unsigned: no signature though the consumer has a key; row_unverified: signed, but the consumer has no key)"
     );
     describe_counter!(HTTP_RESPONSES, "HTTP responses by status");
     describe_gauge!(

@@ -146,7 +146,9 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
             .unwrap_or(0.0)
     };
     assert!(checks("signature") > 0.0, "{metrics}");
-    assert_eq!((checks("row"), checks("row_bad_signature")), (0.0, 0.0));
+    for by in ["row", "row_bad_signature", "row_unsigned", "row_unverified"] {
+        assert_eq!(checks(by), 0.0, "{by}: {metrics}");
+    }
 
     // Reconcile, as the migrating role, finds nothing to repair.
     let out = env

@@ -195,6 +195,7 @@ impl ApiConfig {
     /// The settings that contradict each other, each of which parsed alone.
     /// `tally vote` refuses them before it connects to anything.
     pub fn check(&self) -> Result<(), String> {
+        self.stores.kafka.event_key()?;
         if self.min_in_flight > self.max_in_flight {
             return Err(format!(
                 "--min-in-flight {} is above --max-in-flight {}",

@@ -90,7 +90,7 @@ pub struct KafkaConfig {
         env = "TALLY_EVENT_SIGNING_KEY",
         hide_env_values = true
     )]
-    pub event_key: Option<EventKey>,
+    pub event_signing_key: Option<Secret>,
 }
 
 /// See `--kafka-security`.
@@ -112,8 +112,17 @@ impl KafkaConfig {
             password: None,
             sasl_mechanism: "SCRAM-SHA-512".into(),
             tls_ca: None,
-            event_key: None,
+            event_signing_key: None,
         }
+    }
+
+    /// The event signing key, if one is given; a key too short is refused
+    /// (without printing it).
+    pub fn event_key(&self) -> Result<Option<EventKey>, String> {
+        self.event_signing_key
+            .as_ref()
+            .map(EventKey::new)
+            .transpose()
     }
 
     /// The settings every client shares.

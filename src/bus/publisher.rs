@@ -53,7 +53,7 @@ impl Publisher {
         Ok(Publisher {
             producer,
             topic: config.topic.clone(),
-            key: config.event_key.clone(),
+            key: config.event_key().map_err(anyhow::Error::msg)?,
         })
     }
 

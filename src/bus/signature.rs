@@ -18,6 +18,8 @@ use std::fmt;
 
 use ring::hmac;
 
+use crate::secret::Secret;
+
 /// The header that carries a transition's signature, as lowercase hex.
 pub const HEADER: &str = "tally-signature";
 
@@ -29,6 +31,20 @@ pub const MIN_KEY: usize = 32;
 pub struct EventKey(hmac::Key);
 
 impl EventKey {
+    /// The key a secret makes, refused when shorter than `MIN_KEY`. Checked
+    /// here rather than when the flag is parsed: a parser's refusal prints
+    /// the value it refused.
+    pub fn new(secret: &Secret) -> Result<EventKey, String> {
+        let bytes = secret.expose().as_bytes();
+        if bytes.len() < MIN_KEY {
+            return Err(format!(
+                "the event signing key (--event-signing-key, TALLY_EVENT_SIGNING_KEY) is {} bytes; it must be at least {MIN_KEY} (e.g. `openssl rand -hex 32`)",
+                bytes.len()
+            ));
+        }
+        Ok(EventKey(hmac::Key::new(hmac::HMAC_SHA256, bytes)))
+    }
+
     /// The signature of `payload`, as the header carries it.
     pub fn sign(&self, payload: &[u8]) -> String {
         hex::encode(hmac::sign(&self.0, payload).as_ref())
@@ -50,26 +66,12 @@ impl fmt::Debug for EventKey {
     }
 }
 
-impl std::str::FromStr for EventKey {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.len() < MIN_KEY {
-            return Err(format!(
-                "the event signing key is {} bytes; it must be at least {MIN_KEY} (e.g. `openssl rand -hex 32`)",
-                s.len()
-            ));
-        }
-        Ok(EventKey(hmac::Key::new(hmac::HMAC_SHA256, s.as_bytes())))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn key(s: &str) -> EventKey {
-        s.parse().unwrap_or_else(|e| panic!("{e}"))
+        EventKey::new(&Secret::new(s)).unwrap_or_else(|e| panic!("{e}"))
     }
 
     const PAYLOAD: &[u8] =
@@ -101,9 +103,12 @@ mod tests {
     }
 
     #[test]
-    fn a_short_key_is_refused_and_a_key_never_prints() {
-        let e = "short".parse::<EventKey>().err().unwrap_or_default();
+    fn a_short_key_is_refused_without_printing_it_and_a_key_never_prints() {
+        let e = EventKey::new(&Secret::new("short-but-secret"))
+            .err()
+            .unwrap_or_default();
         assert!(e.contains("at least 32"), "{e}");
+        assert!(!e.contains("short-but-secret"), "{e}");
         let a = key("a-key-of-thirty-two-bytes-at-least");
         assert_eq!(format!("{a:?}"), "EventKey(***)");
     }

@@ -86,6 +86,7 @@ impl Command {
     pub fn check(&self) -> Result<(), String> {
         match self {
             Command::Vote(config) => config.check(),
+            Command::Consumer(config) => config.check(),
             _ => Ok(()),
         }
     }
@@ -284,6 +285,32 @@ mod tests {
             ]),
             Ok(())
         );
+    }
+
+    #[test]
+    fn a_short_event_signing_key_is_refused_without_being_printed() {
+        let check = |args: &[&str]| {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            cli.command.check()
+        };
+        for role in ["vote", "consumer"] {
+            let refused = check(&["tally", role, "--event-signing-key", "short-but-secret"]);
+            let reason = refused.err().unwrap_or_default();
+            assert!(reason.contains("at least 32"), "{role}: {reason}");
+            assert!(!reason.contains("short-but-secret"), "{role}: {reason}");
+            let key = "k".repeat(32);
+            assert_eq!(check(&["tally", role, "--event-signing-key", &key]), Ok(()));
+        }
+        // A trusting consumer checks no event, so a key would do nothing.
+        let key = "k".repeat(32);
+        let both = check(&[
+            "tally",
+            "consumer",
+            "--trust-events",
+            "--event-signing-key",
+            &key,
+        ]);
+        assert!(both.is_err_and(|e| e.contains("--trust-events")));
     }
 
     #[test]

@@ -65,10 +65,11 @@ pub struct Status {
     pub drift_found: f64,
     pub dead_letters: f64,
     /// How the consumer checked events since it started: by signature, by a
-    /// read of the rows, and signed but not with its key (read instead).
+    /// read of the rows, and of those read, the ones where its key and the
+    /// event's signing disagree (another key, no signature, no key here).
     pub checked_by_signature: f64,
     pub checked_by_row: f64,
-    pub bad_signatures: f64,
+    pub mismatched: f64,
     /// Services that did not answer, with why.
     pub unreachable: Vec<String>,
 }
@@ -166,8 +167,9 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Sta
         drift_found: vote.sum("tally_reconcile_drift_found_total", &[]),
         dead_letters: consumer.sum("tally_consumer_dead_lettered_total", &[]),
         checked_by_signature: checks("signature"),
-        checked_by_row: checks("row") + checks("row_bad_signature"),
-        bad_signatures: checks("row_bad_signature"),
+        checked_by_row: consumer.sum("tally_consumer_event_checks_total", &[])
+            - checks("signature"),
+        mismatched: checks("row_bad_signature") + checks("row_unsigned") + checks("row_unverified"),
         unreachable,
     })
 }
@@ -358,10 +360,10 @@ pub fn screen(s: &Status, colour: bool) -> String {
     );
     line(
         "events checked",
-        s.bad_signatures > 0.0,
+        s.mismatched > 0.0,
         format!(
-            "{:.0} by signature, {:.0} by row ({:.0} of them signed with another key)",
-            s.checked_by_signature, s.checked_by_row, s.bad_signatures
+            "{:.0} by signature, {:.0} by row ({:.0} where the keys disagree)",
+            s.checked_by_signature, s.checked_by_row, s.mismatched
         ),
     );
     for u in &s.unreachable {

@@ -30,6 +30,7 @@ use tokio::sync::watch;
 
 use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
+use crate::bus::signature::EventKey;
 use crate::bus::source::{Received, Source};
 use crate::cache::{Cache, TtlPolicy};
 use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Transition, UserId};
@@ -135,8 +136,26 @@ pub struct Progress {
     /// Events signed, but not with this consumer's key (or altered since),
     /// which were read against the rows instead.
     pub bad_signatures: AtomicU64,
+    /// Events without a signature, though this consumer has a key.
+    pub unsigned: AtomicU64,
+    /// Signed events, though this consumer has no key to verify them.
+    pub unverified: AtomicU64,
     /// The port /metrics, /healthz and /readyz are served on.
     pub ops_port: AtomicU64,
+}
+
+impl ConsumerConfig {
+    /// The settings that contradict each other, refused before anything
+    /// connects.
+    pub fn check(&self) -> Result<(), String> {
+        let key = self.stores.kafka.event_key()?;
+        if key.is_some() && self.trust_events {
+            return Err(
+                "--event-signing-key has no use with --trust-events, which checks no event".into(),
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Runs until `stop` turns true, then finishes the batch in hand (up to
@@ -172,8 +191,14 @@ pub async fn run(
 
     let known = Known::default();
     let parked = Parked::default();
+    let event_key = config
+        .stores
+        .kafka
+        .event_key()
+        .map_err(anyhow::Error::msg)?;
     let worker = Worker {
         config: &config,
+        event_key: event_key.as_ref(),
         stats: &store.stats,
         provenance: if config.trust_events {
             Provenance::Trusted(&store.targets)
@@ -275,8 +300,10 @@ type ByBucket = HashMap<(TargetId, Bucket), (Vec<Transition>, Vec<usize>)>;
 /// What stands behind an event.
 #[derive(Clone, Copy)]
 enum Provenance<'a> {
-    /// The user's row, which each event is checked against. A row commits
-    /// only after its target is in the registry.
+    /// The user's row, which each event is checked against, unless its
+    /// signature verifies (`--event-signing-key`): the vote API publishes
+    /// only committed transitions. A row commits only after its target is
+    /// in the registry, so neither needs the consumer to register it.
     Rows(&'a Reactions),
     /// Nothing (`--trust-events`): the consumer registers each target
     /// before counting it, since a read's miss serves a target with no
@@ -286,6 +313,8 @@ enum Provenance<'a> {
 
 struct Worker<'a> {
     config: &'a ConsumerConfig,
+    /// `--event-signing-key`: events it verifies are kept without a read.
+    event_key: Option<&'a EventKey>,
     stats: &'a Stats,
     provenance: Provenance<'a>,
     dead_letters: &'a DeadLetters,
@@ -699,19 +728,31 @@ impl Worker<'_> {
     }
 
     /// Whether `m` carries a signature this consumer's key verifies, and
-    /// the metrics of how it was checked.
+    /// the metrics of how it was checked. Besides `signature` and `row`
+    /// (neither side has a key), each way the two sides disagree has a label
+    /// of its own, which `TallyEventSignaturesRefused` watches: signed with
+    /// another key or altered, unsigned where this consumer has a key, and
+    /// signed where it has none.
     fn signed(&self, m: &Received) -> bool {
-        let key = self.config.stores.kafka.event_key.as_ref();
-        let by = match (key, m.signature.as_deref()) {
+        let p = self.progress;
+        let by = match (self.event_key, m.signature.as_deref()) {
             (Some(key), Some(sig)) if key.verifies(&m.payload, sig) => {
-                self.progress.signed.fetch_add(1, Ordering::Relaxed);
+                p.signed.fetch_add(1, Ordering::Relaxed);
                 "signature"
             }
             (Some(_), Some(_)) => {
-                self.progress.bad_signatures.fetch_add(1, Ordering::Relaxed);
+                p.bad_signatures.fetch_add(1, Ordering::Relaxed);
                 "row_bad_signature"
             }
-            _ => "row",
+            (Some(_), None) => {
+                p.unsigned.fetch_add(1, Ordering::Relaxed);
+                "row_unsigned"
+            }
+            (None, Some(_)) => {
+                p.unverified.fetch_add(1, Ordering::Relaxed);
+                "row_unverified"
+            }
+            (None, None) => "row",
         };
         metrics::counter!(crate::metrics::EVENT_CHECKS, "by" => by).increment(1);
         by == "signature"

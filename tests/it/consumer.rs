@@ -684,11 +684,11 @@ async fn a_target_counted_from_trusted_events_alone_is_served_after_its_entry_is
     Ok(())
 }
 
-/// A key for `--event-signing-key`.
-fn event_key(s: &str) -> tally::bus::signature::EventKey {
-    format!("{s}-an-event-signing-key-of-32-bytes")
-        .parse()
-        .unwrap_or_else(|e| panic!("{e}"))
+/// A secret for `--event-signing-key`, and the key it makes.
+fn event_key(s: &str) -> (tally::secret::Secret, tally::bus::signature::EventKey) {
+    let secret = tally::secret::Secret::new(format!("{s}-an-event-signing-key-of-32-bytes"));
+    let key = tally::bus::signature::EventKey::new(&secret).unwrap_or_else(|e| panic!("{e}"));
+    (secret, key)
 }
 
 /// `target`'s (likes, dislikes) as `GET /v1/votes/summary` serves them.
@@ -709,8 +709,8 @@ fn load(n: &std::sync::atomic::AtomicU64) -> u64 {
 async fn signed_votes_are_counted_without_reading_their_rows_and_forgeries_are_still_refused()
 -> TestResult {
     let mut env = TestEnv::new().await;
-    let key = event_key("ours");
-    env.kafka.event_key = Some(key.clone());
+    let (secret, key) = event_key("ours");
+    env.kafka.event_signing_key = Some(secret);
     let app = env.spawn_app().await;
     for (user, action) in [
         ("ana", "like"),
@@ -722,19 +722,26 @@ async fn signed_votes_are_counted_without_reading_their_rows_and_forgeries_are_s
         let reply = app.vote(user, new_key(), "video_s", action).await;
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
-    let from_votes = env.published();
-    assert_eq!(from_votes, 5);
+    assert_eq!(env.published(), 5);
     // Every transition the API published carries its signature.
     for (payload, signature) in env.messages().await {
         let signature = signature.unwrap_or_else(|| panic!("unsigned: {payload:?}"));
         assert!(key.verifies(&payload, &signature));
     }
 
+    // The votes' events are counted without a read of the rows behind them.
+    let consumer = env.start_consumer();
+    processed_at_least(&consumer, 5).await;
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let progress = &consumer.progress;
+    assert_eq!(load(&progress.signed), 5);
+    assert_eq!(load(&progress.row_reads), 0);
+
     // What someone who can write to the topic but lacks the key could
     // inject: an event signed with another key, a signed event altered
     // after signing, and an unsigned one. None has a row behind it.
     let forged = transition("mallory", "video_s", "none", "like", 1);
-    let other = event_key("theirs").sign(&forged);
+    let other = event_key("theirs").1.sign(&forged);
     env.publish_raw_signed("video_s", &forged, Some(&other))
         .await;
     let signed = transition("eve", "video_s", "none", "like", 1);
@@ -746,26 +753,24 @@ async fn signed_votes_are_counted_without_reading_their_rows_and_forgeries_are_s
         &transition("oscar", "video_s", "none", "like", 1),
     )
     .await;
-
-    let consumer = env.start_consumer();
     eventually(
-        "the votes counted and the forgeries dead-lettered",
+        "the forgeries dead-lettered",
         Duration::from_secs(60),
         || async {
-            (consumer.processed() >= 8 && load(&consumer.progress.dead_lettered) == 3).then_some(())
+            (consumer.processed() >= 8 && load(&progress.dead_lettered) == 3).then_some(())
         },
     )
     .await;
-    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    assert_eq!(
+        (load(&progress.bad_signatures), load(&progress.unsigned)),
+        (2, 1)
+    );
+    assert!(load(&progress.row_reads) >= 1, "the forgeries were read");
+    assert_eq!(load(&progress.signed), 5);
     let video = &env.stats().await["video_s"];
     assert_eq!((video.likes(), video.dislikes()), (1, 1));
+    assert_eq!(env.stats().await, env.recount().await);
     assert_eq!(served(&app, "video_s").await, (1, 1));
-    let progress = &consumer.progress;
-    assert_eq!(load(&progress.signed), 5, "the votes' events, unread");
-    assert_eq!(load(&progress.bad_signatures), 2);
-    // Only the forgeries' users were read: one read for their chunk, or a
-    // few if Kafka handed them over in more than one batch.
-    assert!((1..=3).contains(&load(&progress.row_reads)));
     consumer.stop().await;
 
     let reasons: Vec<(String, String)> = dead_letters(&env, 3).await?;
@@ -777,18 +782,19 @@ async fn signed_votes_are_counted_without_reading_their_rows_and_forgeries_are_s
 }
 
 #[tokio::test]
-async fn a_consumer_with_another_key_reads_the_rows_and_counts_every_vote() -> TestResult {
+async fn a_consumer_with_another_key_or_none_reads_the_rows_and_counts_every_vote() -> TestResult {
     // A key being changed: the vote API already signs with the new key,
-    // the consumer still verifies with the old one.
+    // the consumer still verifies with the old one; then a consumer that
+    // was given no key at all.
     let mut env = TestEnv::new().await;
     let mut api = env.api_config();
-    api.stores.kafka.event_key = Some(event_key("new"));
+    api.stores.kafka.event_signing_key = Some(event_key("new").0);
     let app = env.spawn_app_with(api).await;
     for (user, action) in [("ana", "like"), ("bob", "dislike"), ("ana", "none")] {
         let reply = app.vote(user, new_key(), "video_k", action).await;
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
-    env.kafka.event_key = Some(event_key("old"));
+    env.kafka.event_signing_key = Some(event_key("old").0);
     let consumer = env.start_consumer();
     processed_at_least(&consumer, 3).await;
     env.wait_until_no_drift(Duration::from_secs(60)).await;
@@ -801,5 +807,18 @@ async fn a_consumer_with_another_key_reads_the_rows_and_counts_every_vote() -> T
     assert!(load(&progress.row_reads) >= 1);
     assert_eq!(load(&progress.dead_lettered), 0, "no vote refused");
     consumer.stop().await;
+
+    // A consumer of another group, with no key: the same votes, read.
+    env.kafka.event_signing_key = None;
+    let keyless = env.start_consumer_with(tally::consumer::ConsumerConfig {
+        group: format!("{}-keyless", env.group),
+        ..env.consumer_config()
+    });
+    processed_at_least(&keyless, 3).await;
+    let progress = &keyless.progress;
+    assert_eq!((load(&progress.signed), load(&progress.unverified)), (0, 3));
+    assert_eq!(load(&progress.dead_lettered), 0, "no vote refused");
+    assert_eq!(env.stats().await, env.recount().await);
+    keyless.stop().await;
     Ok(())
 }
