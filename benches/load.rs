@@ -110,6 +110,26 @@ async fn store_section(results: &mut Results) {
             false,
         ),
         ("vote, 90% on one target", Op::Vote, true),
+        (
+            "counting a transition fenced: the conditional batch on seq and the applied row",
+            Op::CountFenced,
+            false,
+        ),
+        (
+            "counting a transition stamped: a plain batch USING TIMESTAMP",
+            Op::CountStamped,
+            false,
+        ),
+        (
+            "vote, then its transition counted fenced",
+            Op::VoteCountedFenced,
+            false,
+        ),
+        (
+            "vote, then its transition counted stamped",
+            Op::VoteCountedStamped,
+            false,
+        ),
     ];
     results.store = store_runs(&stores, &runs, Duration::from_secs(secs), 3).await;
     env.drop_all().await;

@@ -81,6 +81,26 @@ pub fn report(r: &Results) {
             );
         }
     }
+    let rate = |op| super::support::rate_of(&r.store, op);
+    {
+        use super::support::Op;
+        if let (Some(fenced), Some(stamped), Some(vf), Some(vs), Some(bare)) = (
+            rate(Op::CountFenced),
+            rate(Op::CountStamped),
+            rate(Op::VoteCountedFenced),
+            rate(Op::VoteCountedStamped),
+            rate(Op::BareLwt),
+        ) {
+            let _ = writeln!(
+                md,
+                "Counting alone, stamped / fenced: {:.2}x. A vote counted / bare LWT: fenced {:.2}x, stamped {:.2}x (stamped / fenced {:.2}x)\n",
+                stamped / fenced,
+                vf / bare,
+                vs / bare,
+                vs / vf
+            );
+        }
+    }
     if !r.consumer.is_empty() {
         let _ = writeln!(
             md,

@@ -185,6 +185,8 @@ impl Transitions {
     }
 }
 
+pub mod count;
+
 /// The tests' one generator and Zipf, shared rather than copied.
 #[path = "../../tests/it/support/rng.rs"]
 pub mod rng;
@@ -438,6 +440,29 @@ pub enum Op {
     /// The vote's store work before it went optimistic: the read, the
     /// intent, then the batch carrying the transition.
     ReadThenVote,
+    /// Counting one transition as the consumer does when it knows the
+    /// bucket: the conditional batch on its `seq` and the user's applied
+    /// row, no read (`count::fenced`).
+    CountFenced,
+    /// Counting one transition the stamped way: a plain batch `USING
+    /// TIMESTAMP`, no read, no condition (`count::stamped`).
+    CountStamped,
+    /// `Vote`, then its transition counted by `CountFenced`: what a vote
+    /// costs the store with today's consumer keeping up.
+    VoteCountedFenced,
+    /// `Vote`, then its transition counted by `CountStamped`.
+    VoteCountedStamped,
+}
+
+impl Op {
+    /// Whether the run's tasks each own their targets, as the consumer's
+    /// partition owners do: every run that counts.
+    fn owns_targets(self) -> bool {
+        matches!(
+            self,
+            Op::CountFenced | Op::CountStamped | Op::VoteCountedFenced | Op::VoteCountedStamped
+        )
+    }
 }
 
 /// One store run's figures.
@@ -467,6 +492,7 @@ pub struct StoreOps {
     session: std::sync::Arc<scylla::client::session::Session>,
     upsert: scylla::statement::prepared::PreparedStatement,
     bare: scylla::statement::prepared::PreparedStatement,
+    stamped: count::Stamped,
 }
 
 impl StoreOps {
@@ -485,11 +511,13 @@ impl StoreOps {
             .prepare("INSERT INTO reactions (user_id, target_id, target_type, state, version) VALUES (?, ?, ?, ?, 1) IF NOT EXISTS")
             .await
             .unwrap_or_else(|e| panic!("{e}"));
+        let stamped = count::Stamped::prepare(&session).await;
         StoreOps {
             store: std::sync::Arc::new(store),
             session: std::sync::Arc::new(session),
             upsert,
             bare,
+            stamped,
         }
     }
 }
@@ -523,9 +551,14 @@ pub async fn store_runs(
     let mut totals: Vec<Option<Measured>> = runs.iter().map(|_| None).collect();
     // Each run keeps its own rows (its users are its own) and what it saw
     // of them across its rounds, as one API process would.
-    let hints: Vec<_> = runs
+    let seen: Vec<Seen> = runs
         .iter()
-        .map(|_| std::sync::Arc::new(tally::cast::Hints::default()))
+        .map(|_| {
+            (
+                std::sync::Arc::new(tally::cast::Hints::default()),
+                std::sync::Arc::new(count::Owned::default()),
+            )
+        })
         .collect();
     for round in 0..rounds {
         // Each round starts one run later, so no run always follows the same
@@ -539,7 +572,7 @@ pub async fn store_runs(
             );
             let cpu_before = (cassandra_cpu_micros(), machine_cpu_micros());
             let (h, elapsed, unknown, conflicts) =
-                store_run(ops, (*op, *hot, i), &hints[i], secs / rounds, round).await;
+                store_run(ops, (*op, *hot, i), &seen[i], secs / rounds, round).await;
             let cpu = (
                 cassandra_cpu_micros().saturating_sub(cpu_before.0),
                 machine_cpu_micros().saturating_sub(cpu_before.1),
@@ -555,6 +588,12 @@ pub async fn store_runs(
                 }
                 slot => *slot = Some((h, elapsed, unknown, conflicts, cpu)),
             }
+        }
+    }
+    for ((_, op, _), (_, owned)) in runs.iter().zip(&seen) {
+        if op.owns_targets() {
+            let stamped = matches!(op, Op::CountStamped | Op::VoteCountedStamped);
+            count::check(&ops.store, &ops.session, &ops.stamped, owned, stamped).await;
         }
     }
     runs.iter()
@@ -575,14 +614,65 @@ pub async fn store_runs(
         .collect()
 }
 
+/// What a run saw of its users' rows (the vote's hints) and what its owners
+/// counted of them.
+type Seen = (
+    std::sync::Arc<tally::cast::Hints>,
+    std::sync::Arc<count::Owned>,
+);
+
+/// One operation of a run that counts: the transition counted alone (the
+/// next one a vote would publish), or a vote and then its transition.
+async fn counted(
+    ops: &StoreOps,
+    op: Op,
+    (user, target): (&str, &str),
+    n: u64,
+    (hints, owned): (&tally::cast::Hints, &count::Owned),
+) -> tally::store::Cas {
+    use tally::domain::{Applied, TargetId, UserId};
+    use tally::store::Cas;
+    let (user, target) = match (UserId::parse(user), TargetId::parse(target)) {
+        (Ok(u), Ok(t)) => (u, t),
+        _ => panic!("bad ids {user} {target}"),
+    };
+    let event = match op {
+        Op::CountFenced | Op::CountStamped => owned.next_vote(&target, &user),
+        _ => {
+            let part = OutboxPart::Whole;
+            match lwt_vote_optimistic(&ops.store, &user, &target, n, hints, part).await {
+                Cas::Applied => match hints.get(&user, &target) {
+                    Some(row) => Applied {
+                        version: row.version,
+                        state: row.state,
+                    },
+                    // The hints started over between the vote and this read.
+                    None => return Cas::Unknown(anyhow::anyhow!("the vote's row was forgotten")),
+                },
+                other => return other,
+            }
+        }
+    };
+    match op {
+        Op::CountFenced | Op::VoteCountedFenced => {
+            count::fenced(&ops.store, owned, &target, &user, event).await
+        }
+        _ => {
+            let on = (&target, &user);
+            count::stamped(&ops.store, &ops.session, &ops.stamped, owned, on, event).await
+        }
+    }
+}
+
 /// `op` with 64 in flight for `secs`: 20,000 users over 10,000 targets, or
 /// 90% on one target when `hot`. The latencies, the seconds it took, CAS
-/// timeouts and conflicts. The users are the `run`'s own, and `hints` what
-/// it saw of their rows in earlier rounds; `round` varies the draws.
+/// timeouts and conflicts. The users are the `run`'s own, and `seen` what
+/// it saw of their rows and counted of them in earlier rounds; `round`
+/// varies the draws. A run that counts gives each task targets of its own.
 async fn store_run(
     ops: &StoreOps,
     (op, hot, run): (Op, bool, usize),
-    hints: &std::sync::Arc<tally::cast::Hints>,
+    seen: &Seen,
     secs: Duration,
     round: u32,
 ) -> Ran {
@@ -595,14 +685,17 @@ async fn store_run(
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let (ops, unknown, conflicts) = (ops.clone(), unknown.clone(), conflicts.clone());
-        let hints = hints.clone();
+        let (hints, owned) = (seen.0.clone(), seen.1.clone());
         tasks.push(tokio::spawn(async move {
             let mut rng = Zipf::new(1, 1.0, w + 1 + u64::from(round) * 1_000);
             let mut h = histogram();
             let mut n = 0u64;
             while std::time::Instant::now() < deadline {
                 let user = format!("r{run}u{}", rng.below(20_000));
-                let target = if hot && rng.uniform() < 0.9 {
+                let target = if op.owns_targets() {
+                    // About 10,000 targets in all, task w owning those equal to w mod 64.
+                    format!("r{run}t{}", w + 64 * rng.below(157))
+                } else if hot && rng.uniform() < 0.9 {
                     "viral".to_owned()
                 } else {
                     format!("t{}", rng.below(10_000))
@@ -632,6 +725,13 @@ async fn store_run(
                             Ok(Ok(false)) => Cas::NotApplied,
                             _ => Cas::Unknown(anyhow::anyhow!("bare LWT")),
                         }
+                    }
+                    Op::CountFenced
+                    | Op::CountStamped
+                    | Op::VoteCountedFenced
+                    | Op::VoteCountedStamped => {
+                        let k = u64::from(round) * 100_000_000 + w * 1_000_000 + n;
+                        counted(&ops, op, (&user, &target), k, (&hints, &owned)).await
                     }
                     Op::ReadThenWrite
                     | Op::Vote
