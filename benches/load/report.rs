@@ -80,9 +80,6 @@ pub fn report(r: &Results) {
                 with / bare
             );
         }
-    }
-    let rate = |op| super::support::rate_of(&r.store, op);
-    {
         use super::support::Op;
         if let (Some(fenced), Some(stamped), Some(vf), Some(vs), Some(bare)) = (
             rate(Op::CountFenced),

@@ -16,8 +16,9 @@ use scylla::client::session::Session;
 use scylla::statement::batch::{Batch, BatchType};
 use scylla::statement::prepared::PreparedStatement;
 use tally::domain::{Applied, Outcome, Reaction, TargetId, TargetType, Totals, UserId, apply};
+use tally::fence::{self, Fold, Read, Step};
 use tally::store::stats::{FencedWrite, ReadAt};
-use tally::store::{Cas, Store, token_of};
+use tally::store::{Cas, Store, StoreError, token_of};
 
 /// The stamped design's bucket: its head is a clustering row with a fixed
 /// key (the minimum token, which no user id hashes to), so a read naming
@@ -135,10 +136,9 @@ impl Owned {
 }
 
 /// Counts `event` (the user's new version and state) into today's
-/// `target_stats`: the conditional batch on the bucket's `seq` and on the
-/// user's applied row, from what the owner knows, with no read. A refusal
-/// or an unknown outcome reads the head at SERIAL and the row, and tries
-/// again, as the consumer's fence does.
+/// `target_stats` as the consumer does: `fence::land_unread` from what the
+/// owner knows, and on a refusal or an unknown outcome the consumer's reading
+/// rounds (`fence::write`), which read the head at SERIAL and the row.
 pub async fn fenced(
     store: &Store,
     owned: &Owned,
@@ -148,44 +148,78 @@ pub async fn fenced(
 ) -> Cas {
     let bucket = store.stats.bucket_of(user);
     let key = (target.as_str().to_owned(), bucket.column());
-    let (mut seq, mut totals) = owned.bucket(&key);
-    let mut before = owned.applied(target, user);
-    for attempt in 0..3 {
-        if attempt > 0 {
-            let head = match store.stats.head(target, bucket, ReadAt::Serial).await {
-                Ok(h) => h,
-                Err(e) => return Cas::Unknown(e.into()),
-            };
-            before = match store.stats.applied_of(target, bucket, &[user]).await {
-                Ok(rows) => rows.get(user).copied(),
-                Err(e) => return Cas::Unknown(e.into()),
-            };
-            (seq, totals) = (head.seq, head.totals);
+    let (seq, totals) = owned.bucket(&key);
+    let before = owned.applied(target, user);
+    let now = before.unwrap_or(Applied::NEVER);
+    let (next, delta) = match apply(now, event.version, now.state, event.state) {
+        Outcome::Replay => return Cas::Applied,
+        Outcome::Apply { next, delta, .. } => (next, delta),
+    };
+    let users = [(user.clone(), next)];
+    let write = FencedWrite {
+        read_seq: seq,
+        totals: totals.apply(delta),
+        target_type: Some(TargetType::Video),
+        users: &users,
+        before: &[before],
+    };
+    match fence::land_unread(&store.stats, None, (target, bucket), &write).await {
+        Cas::Applied => {
+            let head = (Some(seq.unwrap_or(0) + 1), write.totals);
+            owned.learnt(key, head, (user, next));
+            return Cas::Applied;
         }
-        let now = before.unwrap_or(Applied::NEVER);
-        let (next, delta) = match apply(now, event.version, now.state, event.state) {
-            Outcome::Replay => return Cas::Applied,
-            Outcome::Apply { next, delta, .. } => (next, delta),
-        };
-        let users = [(user.clone(), next)];
-        let write = FencedWrite {
-            read_seq: seq,
-            totals: totals.apply(delta),
-            target_type: Some(TargetType::Video),
-            users: &users,
-            before: &[before],
-        };
-        match store.stats.write(target, bucket, &write).await {
-            Cas::Applied => {
-                let head = (Some(seq.unwrap_or(0) + 1), write.totals);
-                owned.learnt(key, head, (user, next));
-                return Cas::Applied;
-            }
-            Cas::Failed(e) => return Cas::Failed(e),
-            Cas::NotApplied | Cas::Unknown(_) => {}
-        }
+        Cas::Failed(e) => return Cas::Failed(e),
+        Cas::NotApplied | Cas::Unknown(_) => {}
     }
-    Cas::NotApplied
+    let mut one = CountOne {
+        user,
+        event,
+        after: None,
+    };
+    match fence::write(&store.stats, None, (target, bucket), &[user], &mut one).await {
+        Ok(done) => {
+            if let (Some(head), Some(after)) = (done.left, one.after) {
+                owned.learnt(key, head, (user, after));
+            }
+            Cas::Applied
+        }
+        Err(e) => Cas::Unknown(e.into()),
+    }
+}
+
+/// One event folded into each reading round, as the consumer's chunks are.
+struct CountOne<'a> {
+    user: &'a UserId,
+    event: Applied,
+    /// The user's row as the last round left it.
+    after: Option<Applied>,
+}
+
+impl Fold for CountOne<'_> {
+    async fn fold(&mut self, _: &TargetId, read: Read) -> Result<Step, StoreError> {
+        let now = read
+            .applied
+            .get(self.user)
+            .copied()
+            .unwrap_or(Applied::NEVER);
+        Ok(
+            match apply(now, self.event.version, now.state, self.event.state) {
+                Outcome::Replay => {
+                    self.after = Some(now);
+                    Step::Settled
+                }
+                Outcome::Apply { next, delta, .. } => {
+                    self.after = Some(next);
+                    Step::Write {
+                        totals: read.head.totals.apply(delta),
+                        target_type: Some(TargetType::Video),
+                        users: vec![(self.user.clone(), next)],
+                    }
+                }
+            },
+        )
+    }
 }
 
 /// Counts `event` the stamped way: one unlogged single-partition batch of
