@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use futures::future::try_join_all;
 
-use crate::cache::{Cache, Pending};
+use crate::cache::{Cache, Counted, Fence, Pending};
 use crate::domain::{TargetId, Totals};
 use crate::store::Store;
 use crate::store::StoreError;
@@ -69,7 +69,20 @@ impl Counts {
         let misses: Vec<usize> = (0..targets.len())
             .filter(|&i| cached[i].is_none())
             .collect();
-        let filled = try_join_all(misses.iter().map(|&i| self.fill(&targets[i]))).await?;
+        if misses.is_empty() {
+            return Ok(cached.into_iter().map(Option::unwrap_or_default).collect());
+        }
+        // Every miss's fence, armed before its heads are read (see
+        // `Cache::fill`); with Redis out of reach nothing is filled.
+        let missed: Vec<&TargetId> = misses.iter().map(|&i| &targets[i]).collect();
+        let fences = self.cache.arm_many(&missed).await.ok();
+        let filled = try_join_all(
+            missed
+                .iter()
+                .enumerate()
+                .map(|(j, t)| self.fill(t, fences.as_ref().map(|f| &f[j]))),
+        )
+        .await?;
         let mut totals: Vec<Totals> = cached.into_iter().map(Option::unwrap_or_default).collect();
         for (i, t) in misses.into_iter().zip(filled) {
             totals[i] = t;
@@ -77,17 +90,26 @@ impl Counts {
         Ok(totals)
     }
 
-    /// A miss: every bucket's head from Cassandra, then into the cache.
-    async fn fill(&self, target: &TargetId) -> Result<Totals, StoreError> {
+    /// A miss: every bucket's head from Cassandra, then into the cache
+    /// under the entry's fence. An entry dropped since the fence was armed
+    /// is left alone, and this read is served the heads.
+    async fn fill(&self, target: &TargetId, fence: Option<&Fence>) -> Result<Totals, StoreError> {
         let heads = {
             let _turn = self.misses.acquire().await;
             self.durable_heads(target).await?
         };
-        Ok(self
-            .cache
-            .fill(target, &heads)
-            .await
-            .unwrap_or_else(|_| heads.totals()))
+        let Some(fence) = fence else {
+            return Ok(heads.totals());
+        };
+        match self.cache.fill(target, fence, &heads).await {
+            Ok(Some(served)) => Ok(served),
+            Ok(None) => {
+                metrics::counter!(crate::metrics::CACHE_FILLS_FENCED, "step" => "read")
+                    .increment(1);
+                Ok(heads.totals())
+            }
+            Err(_) => Ok(heads.totals()),
+        }
     }
 
     /// Every bucket's head, or, for a target the registry has no row for,
@@ -123,25 +145,33 @@ impl Counts {
         let deadline = self.cache.change_deadline();
         let layout = self.store.layout;
         let step = async {
-            match self
+            let fence = match self
                 .cache
                 .apply(target, change, layout, None, deadline)
-                .await
+                .await?
             {
-                Ok(true) => Ok(()),
-                Ok(false) => match self.store.stats.heads(target).await {
-                    Ok(heads) => self
-                        .cache
-                        .apply(target, change, layout, Some(&heads), deadline)
-                        .await
-                        .map(|_| ()),
-                    Err(e) => {
-                        tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
-                        Ok(())
-                    }
-                },
-                Err(e) => Err(e),
+                Counted::NeedsHeads(fence) => fence,
+                Counted::Yes | Counted::Dropped => return Ok(()),
+            };
+            let heads = match self.store.stats.heads(target).await {
+                Ok(heads) => heads,
+                Err(e) => {
+                    tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
+                    return Ok(());
+                }
+            };
+            // Dropped: the next read fills the entry from heads read after
+            // the drop, and the consumer's write of this change corrects it.
+            if self
+                .cache
+                .apply(target, change, layout, Some((&fence, &heads)), deadline)
+                .await?
+                == Counted::Dropped
+            {
+                metrics::counter!(crate::metrics::CACHE_FILLS_FENCED, "step" => "vote")
+                    .increment(1);
             }
+            Ok(())
         };
         let result = tokio::time::timeout(self.cache.change_budget(), step)
             .await

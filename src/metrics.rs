@@ -21,6 +21,10 @@ pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
 /// Cache misses filled from Cassandra, by what was read: `registry` (no
 /// reaction yet, served as zeros) or `buckets` (every bucket's head).
 pub const CACHE_FILLS: &str = "tally_cache_fills_total";
+/// Fills that found their entry dropped after they armed its fence, by
+/// step (read, vote): their heads may predate a write whose base the drop
+/// took, so they are not written.
+pub const CACHE_FILLS_FENCED: &str = "tally_cache_fills_fenced_total";
 /// Writes of a change to an entry that Redis answered with an error (out of
 /// memory, say), by step (vote, write_through); each entry is then dropped.
 pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
@@ -135,6 +139,10 @@ fn describe() {
     describe_counter!(
         CACHE_FILLS,
         "cache misses filled from Cassandra by what was read (registry: nobody reacted yet; buckets)"
+    );
+    describe_counter!(
+        CACHE_FILLS_FENCED,
+        "fills not written because their entry was dropped after they armed its fence, by step (read, vote)"
     );
     describe_counter!(
         CACHE_WRITES_REFUSED,

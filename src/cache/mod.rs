@@ -153,6 +153,8 @@ pub enum CacheError {
     Shape(usize),
     #[error("a cache entry's served totals are not numbers: {0:?}")]
     Served(String),
+    #[error("the answer to a change was not understood: {0}")]
+    Answer(String),
 }
 
 impl CacheError {
@@ -179,7 +181,7 @@ impl CacheError {
                     // A former primary, after a failover.
                     || e.kind() == redis::ErrorKind::ReadOnly
             }
-            CacheError::Shape(_) | CacheError::Served(_) => false,
+            CacheError::Shape(_) | CacheError::Served(_) | CacheError::Answer(_) => false,
         }
     }
 }
@@ -203,6 +205,12 @@ impl CacheError {
 //   c:<user>     "version|ms": reconcile counted the user's row at `version`
 //                in a base at `ms`, ahead of the vote that changed it; that
 //                vote's own change, if it comes later, is already counted
+//   g            the fence of fills: a token set before a fill reads the
+//                durable heads, which the fill must find unchanged to land.
+//                A drop (DEL, eviction, FLUSHALL, a restart, expiry) takes
+//                it with the entry, and with it any base a write through
+//                had put there; heads read before that write would serve
+//                the older base until the bucket's next write or the TTL
 // The consumer (and reconcile) write each durable write of a bucket through,
 // with its seq: that bucket's base becomes exact, the pending changes it now
 // includes go, and an older seq never overwrites a newer one. A read's miss
@@ -253,6 +261,15 @@ local function set_base(key, names, b, seq, base)
   for i, name in ipairs(names) do redis.call('HSET', key, 'b:' .. b .. ':' .. name, base[i]) end
   return true
 end
+local function arm(key, token, ttl)
+  if redis.call('HSETNX', key, 'g', token) == 1 and redis.call('TTL', key) < 0 then
+    redis.call('EXPIRE', key, ttl)
+  end
+  return redis.call('HGET', key, 'g')
+end
+local function armed(key, token)
+  return redis.call('HGET', key, 'g') == token
+end
 local function fill(key, names, nb, at)
   local n = #names
   for b = 0, nb - 1 do
@@ -301,10 +318,11 @@ end
 /// `from`. Refused after `deadline` (Redis time, ms): by then the vote has
 /// given up on the cache and may have published, so the consumer's write
 /// may already hold the change. An entry without every bucket's base is
-/// filled from the durable heads given (or, with none given, the script
-/// answers false).
-/// ARGV: n, ttl, deadline, buckets, n names, user, version, to, from, then
-/// '' or, per bucket, seq and n base.
+/// filled from the durable heads given, if its fence is still `token`
+/// (else the script answers -2); with none given, the script arms the
+/// fence with `token` and answers the fence the heads must be read under.
+/// ARGV: n, ttl, deadline, buckets, n names, user, version, to, from,
+/// token, then '' or, per bucket, seq and n base.
 const APPLY: &str = r"
 local n = tonumber(ARGV[1])
 local nb = tonumber(ARGV[4])
@@ -314,8 +332,9 @@ local names = {}
 for i = 1, n do names[i] = ARGV[4 + i] end
 local user, version, to, from = ARGV[5 + n], tonumber(ARGV[6 + n]), ARGV[7 + n], ARGV[8 + n]
 if not complete(KEYS[1], nb) then
-  if ARGV[9 + n] == '' then return false end
-  fill(KEYS[1], names, nb, 9 + n)
+  if ARGV[10 + n] == '' then return arm(KEYS[1], ARGV[9 + n], ARGV[2]) end
+  if not armed(KEYS[1], ARGV[9 + n]) then return -2 end
+  fill(KEYS[1], names, nb, 10 + n)
   recompute(KEYS[1], names, nb, nil)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
@@ -341,16 +360,25 @@ serve(KEYS[1], totals)
 return totals
 ";
 
+/// Arms a target's fence before a fill reads the durable heads, unless it
+/// is armed already, and answers the token a fill must find.
+/// ARGV: token, ttl.
+const ARM: &str = r"
+return arm(KEYS[1], ARGV[1], ARGV[2])
+";
+
 /// A read's miss: records every bucket's durable head (a newer seq wins)
-/// and answers the served totals.
-/// ARGV: n, ttl, buckets, n names, then per bucket seq and n base.
+/// and answers the served totals, if the entry's fence is still `token`;
+/// else nothing, and the entry is left as it is.
+/// ARGV: n, ttl, buckets, token, n names, then per bucket seq and n base.
 const FILL: &str = r"
 local n = tonumber(ARGV[1])
 local nb = tonumber(ARGV[3])
+if not armed(KEYS[1], ARGV[4]) then return false end
 local names = {}
-for i = 1, n do names[i] = ARGV[3 + i] end
+for i = 1, n do names[i] = ARGV[4 + i] end
 local was = complete(KEYS[1], nb)
-fill(KEYS[1], names, nb, 4 + n)
+fill(KEYS[1], names, nb, 5 + n)
 recompute(KEYS[1], names, nb, nil)
 if not was then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return served(KEYS[1], names)
@@ -438,6 +466,33 @@ fn never_below_zero(values: [i64; N_COUNTED]) -> Totals {
     Totals::from_values(values.map(|x| x.max(0)))
 }
 
+/// The token an entry's fence held before a fill read the durable heads:
+/// the fill lands only if the entry still holds it. Random, so no entry
+/// made after a drop (or after Redis lost everything) can hold it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence(String);
+
+impl Fence {
+    fn new() -> Fence {
+        // 64 random bits: an entry nobody reacted to holds little more than
+        // its fence.
+        Fence(format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0))
+    }
+}
+
+/// What a vote's change did to its target's entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Counted {
+    /// Counted, or already counted.
+    Yes,
+    /// The entry lacks a base: read every bucket's head, then apply again
+    /// with them under this fence.
+    NeedsHeads(Fence),
+    /// The entry was dropped after the fence was armed: the heads read under
+    /// it may predate a write whose base went with the drop.
+    Dropped,
+}
+
 /// A change the vote path counts in the cache, ahead of the consumer.
 #[derive(Debug, Clone)]
 pub struct Pending<'a> {
@@ -471,6 +526,7 @@ pub struct Cache {
     held: Arc<Mutex<Held>>,
     prefix: Arc<str>,
     apply: Arc<Script>,
+    arm: Arc<Script>,
     fill: Arc<Script>,
     write_through: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
@@ -502,6 +558,7 @@ impl Cache {
             held: Arc::default(),
             prefix: config.prefix.as_str().into(),
             apply: script(APPLY),
+            arm: script(ARM),
             fill: script(FILL),
             write_through: script(WRITE_THROUGH),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
@@ -630,19 +687,61 @@ impl Cache {
             .collect()
     }
 
+    /// Arms the fence of each target's entry, in one round trip, before
+    /// their fills read the durable heads (see `fill`).
+    pub async fn arm_many(&self, targets: &[&TargetId]) -> Result<Vec<Fence>, CacheError> {
+        let ttl = self.ttl().as_secs();
+        let calls: Vec<_> = targets
+            .iter()
+            .map(|t| {
+                let mut call = self.arm.key(self.key(t));
+                call.arg(Fence::new().0).arg(ttl);
+                call
+            })
+            .collect();
+        let mut pipe = redis::Pipeline::with_capacity(calls.len());
+        for call in &calls {
+            pipe.invoke_script(call);
+        }
+        let arm = self.arm.clone();
+        let tokens: Vec<String> = self
+            .within(|mut c| async move {
+                // A pipeline does not load a script Redis lacks (a new or
+                // restarted Redis): load it and send the pipeline again.
+                match pipe.query_async(&mut c).await {
+                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                        arm.load_async(&mut c).await?;
+                        pipe.query_async(&mut c).await
+                    }
+                    answer => answer,
+                }
+            })
+            .await?;
+        Ok(tokens.into_iter().map(Fence).collect())
+    }
+
     /// Records the durable heads of every bucket (a newer seq wins) and
-    /// returns what the entry serves.
-    pub async fn fill(&self, target: &TargetId, heads: &Heads) -> Result<Totals, CacheError> {
+    /// returns what the entry serves, if the entry's fence is still the one
+    /// armed before the heads were read. Otherwise the entry was dropped
+    /// since, perhaps with the base of a write the heads predate, and the
+    /// answer is `None`: the entry is left for a fill read after the drop.
+    pub async fn fill(
+        &self,
+        target: &TargetId,
+        fence: &Fence,
+        heads: &Heads,
+    ) -> Result<Option<Totals>, CacheError> {
         let mut call = self.fill.key(self.key(target));
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
             .arg(heads.0.len())
+            .arg(&fence.0)
             .arg(names());
         push_heads(&mut call, heads);
-        let values: Vec<i64> = self
+        let values: Option<Vec<i64>> = self
             .within(|mut c| async move { call.invoke_async(&mut c).await })
             .await?;
-        totals_of(values)
+        values.map(totals_of).transpose()
     }
 
     /// How long the vote path may spend counting one change, from its
@@ -659,17 +758,18 @@ impl Cache {
 
     /// Counts a committed change ahead of the consumer, if Redis runs it
     /// before `deadline` (from `change_deadline`, taken once per change).
-    /// With `durable` (every bucket's head) an entry missing a base is
-    /// filled first; without, it is left as it is and the answer is
-    /// `Ok(false)`.
+    /// With `durable` (every bucket's head, read under the fence given) an
+    /// entry missing a base is filled first, if its fence still holds;
+    /// without, such an entry is only armed, and the answer is the fence to
+    /// read the heads under.
     pub async fn apply(
         &self,
         target: &TargetId,
         change: &Pending<'_>,
         buckets: Layout,
-        durable: Option<&Heads>,
+        durable: Option<(&Fence, &Heads)>,
         deadline: SystemTime,
-    ) -> Result<bool, CacheError> {
+    ) -> Result<Counted, CacheError> {
         let deadline_ms = deadline
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
@@ -684,9 +784,12 @@ impl Cache {
             .arg(change.to.as_str())
             .arg(change.from.as_str());
         match durable {
-            Some(heads) => push_heads(&mut call, heads),
+            Some((fence, heads)) => {
+                call.arg(&fence.0);
+                push_heads(&mut call, heads);
+            }
             None => {
-                call.arg("");
+                call.arg(&Fence::new().0).arg("");
             }
         }
         let answer: Result<redis::Value, CacheError> = self
@@ -699,8 +802,12 @@ impl Cache {
         match answer {
             // Too late: Redis ran it after the vote gave up waiting.
             redis::Value::Int(-1) => Err(CacheError::Timeout(self.timeout)),
-            redis::Value::Nil => Ok(false),
-            _ => Ok(true),
+            redis::Value::Int(-2) => Ok(Counted::Dropped),
+            redis::Value::BulkString(token) => Ok(Counted::NeedsHeads(Fence(
+                String::from_utf8(token).map_err(|e| CacheError::Answer(e.to_string()))?,
+            ))),
+            redis::Value::Array(_) => Ok(Counted::Yes),
+            other => Err(CacheError::Answer(format!("unexpected answer {other:?}"))),
         }
     }
 

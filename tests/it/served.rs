@@ -238,7 +238,7 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
             totals: Totals::default(),
             target_type: None,
         };
-        cache.fill(&target, &Heads(vec![empty])).await?;
+        fill(&cache, &target, &Heads(vec![empty])).await?;
         // Reconcile counts ann's like, her row at version 1...
         let users = [(
             ann.clone(),
@@ -288,7 +288,7 @@ async fn an_older_write_through_arriving_late_still_takes_away_what_it_counted()
         totals: Totals::default(),
         target_type: None,
     };
-    cache.fill(&target, &Heads(vec![empty])).await?;
+    fill(&cache, &target, &Heads(vec![empty])).await?;
     // ann's vote counts her like ahead of the consumer.
     count_first_like(&cache, &target, &ann, one).await?;
     // The write of seq 2 counts ann; the write of seq 3, after it, counts
@@ -464,7 +464,7 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
         head(None, 4),
         head(None, 0),
     ]);
-    cache.fill(&target, &filled).await?;
+    fill(&cache, &target, &filled).await?;
     assert_eq!(served_likes(&cache, &target).await?, Some(6));
     let pool = tally::cache::pool(&env.redis)?;
     let mut conn = pool.get().await?;
@@ -498,17 +498,17 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
     cache.write_through(&target, &first).await?;
     assert_eq!(served_likes(&cache, &target).await?, Some(7));
     // A fill read before that write arrives after it.
-    cache
-        .fill(
-            &target,
-            &Heads(vec![
-                head(None, 0),
-                head(Some(3), 2),
-                head(None, 4),
-                head(None, 0),
-            ]),
-        )
-        .await?;
+    fill(
+        &cache,
+        &target,
+        &Heads(vec![
+            head(None, 0),
+            head(Some(3), 2),
+            head(None, 4),
+            head(None, 0),
+        ]),
+    )
+    .await?;
     assert_eq!(
         served_likes(&cache, &target).await?,
         Some(7),
@@ -518,6 +518,140 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
     let bob = UserId::parse("bob")?;
     count_first_like(&cache, &target, &bob, four).await?;
     assert_eq!(served_likes(&cache, &target).await?, Some(8));
+    Ok(())
+}
+
+/// A read misses and reads the durable heads; meanwhile a vote is counted
+/// and written through; then the entry is dropped (a DEL after Redis
+/// refused a change; an eviction, a flush or a restart drops it the same
+/// way), and that write's base goes with it. Landing now, the miss's fill
+/// would serve its older heads until the bucket's next write or the TTL.
+/// Its fence went with the entry, so it is not written, and the next read
+/// is served the vote. A vote's own fill is fenced the same way.
+#[tokio::test]
+async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_it() -> TestResult {
+    use tally::cache::{Cache, Counted, Pending};
+    use tally::domain::{TargetId, UserId};
+
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let consumer = env.start_consumer();
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
+    let target = TargetId::parse("dropped")?;
+    let key = format!("{}:d:dropped", env.redis.prefix);
+    let pool = tally::cache::pool(&env.redis)?;
+    let durable_likes = async || -> Option<i64> {
+        let heads = store.stats.heads(&target).await.ok()?;
+        Some(heads.totals().get(Reaction::Like))
+    };
+    let like = async |user: &str| {
+        let reply = app.vote(user, new_key(), "dropped", "like").await;
+        assert_eq!(reply.status, 200, "{user}: {}", reply.body);
+    };
+    like("ann").await;
+    eventually("ann's like counted", Duration::from_secs(30), || async {
+        (durable_likes().await? == 1).then_some(())
+    })
+    .await;
+
+    // A reader misses: it arms the fence, then reads the heads.
+    cache.invalidate(&target).await?;
+    let fences = cache.arm_many(&[&target]).await?;
+    let read = store.stats.heads(&target).await?;
+    assert_eq!(read.totals().get(Reaction::Like), 1);
+
+    // bob's like is counted and written through before that fill lands:
+    // the entry serves 2 with no pending change left.
+    like("bob").await;
+    eventually(
+        "bob's like counted and written through",
+        Duration::from_secs(30),
+        || async {
+            let mut conn = pool.get().await.ok()?;
+            let fields: Vec<String> = redis::cmd("HKEYS")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            let pending = fields.iter().any(|f| f.starts_with("p:"));
+            let served = served_likes(&cache, &target).await.ok()??;
+            (served == 2 && !pending).then_some(())
+        },
+    )
+    .await;
+
+    cache.invalidate(&target).await?;
+    let landed = cache.fill(&target, &fences[0], &read).await?;
+    assert_eq!(landed, None, "a fill whose fence went with its entry");
+    assert_eq!(
+        served_likes(&cache, &target).await?,
+        None,
+        "nothing written"
+    );
+    let reply = app.summary("reader", "dropped").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        reply.json()["items"]["dropped"]["likes"],
+        2,
+        "{}",
+        reply.body
+    );
+
+    // A vote's cache step on a missing entry arms the fence, reads the
+    // heads, and fills under it; an entry dropped in between is left alone.
+    cache.invalidate(&target).await?;
+    let cid = UserId::parse("cid")?;
+    let change = Pending {
+        user: &cid,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    let deadline = cache.change_deadline();
+    let first = cache
+        .apply(&target, &change, store.layout, None, deadline)
+        .await?;
+    let Counted::NeedsHeads(fence) = first else {
+        anyhow::bail!("a missing entry's change asked for no heads: {first:?}");
+    };
+    cache.invalidate(&target).await?;
+    let second = cache
+        .apply(
+            &target,
+            &change,
+            store.layout,
+            Some((&fence, &read)),
+            deadline,
+        )
+        .await?;
+    assert_eq!(second, Counted::Dropped);
+    assert_eq!(
+        served_likes(&cache, &target).await?,
+        None,
+        "nothing written"
+    );
+    consumer.stop().await;
+    let reply = app.summary("reader", "dropped").await;
+    assert_eq!(
+        reply.json()["items"]["dropped"]["likes"],
+        2,
+        "{}",
+        reply.body
+    );
+    Ok(())
+}
+
+/// A read's miss filling `target`'s entry with `heads`, its fence armed
+/// first, as a reader armed it.
+async fn fill(
+    cache: &tally::cache::Cache,
+    target: &tally::domain::TargetId,
+    heads: &tally::store::stats::Heads,
+) -> anyhow::Result<()> {
+    let fences = cache.arm_many(&[target]).await?;
+    let filled = cache.fill(target, &fences[0], heads).await?;
+    anyhow::ensure!(filled.is_some(), "the fill found its fence gone");
     Ok(())
 }
 
