@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use futures::future::try_join_all;
 
-use crate::cache::{Ahead, Cache, Counted, Durable, Fence, Pending};
+use crate::cache::{Cache, Counted, Fence, Pending};
 use crate::domain::{TargetId, Totals};
 use crate::store::Store;
 use crate::store::StoreError;
@@ -127,37 +127,6 @@ impl Counts {
         self.store.stats.heads(target).await
     }
 
-    /// What a vote's change fills a missing entry from: every bucket's head
-    /// and, if reconcile counted the voter's row ahead of the change, where
-    /// the heads count it. A drop takes the mark reconcile left for this
-    /// step, and heads that count the change must not count it a second
-    /// time. The voter's applied row is read first, so heads read after it
-    /// count whatever it says.
-    async fn durable_for(
-        &self,
-        target: &TargetId,
-        change: &Pending<'_>,
-    ) -> Result<(Heads, Option<Ahead>), StoreError> {
-        let stats = &self.store.stats;
-        let bucket = stats.bucket_of(change.user);
-        let applied = stats.applied_of(target, bucket, &[change.user]).await?;
-        let version = applied
-            .get(change.user)
-            .map(|a| a.version)
-            .filter(|v| *v >= change.version);
-        let heads = stats.heads(target).await?;
-        let ahead = version.map(|version| Ahead {
-            bucket,
-            seq: usize::try_from(bucket.index())
-                .ok()
-                .and_then(|i| heads.0.get(i))
-                .and_then(|h| h.seq)
-                .unwrap_or(0),
-            version,
-        });
-        Ok((heads, ahead))
-    }
-
     pub async fn get(&self, target: &TargetId) -> Result<Totals, StoreError> {
         let mut all = self.get_many(std::slice::from_ref(target)).await?;
         Ok(all.pop().unwrap_or_default())
@@ -184,23 +153,18 @@ impl Counts {
                 Counted::NeedsHeads(fence) => fence,
                 Counted::Yes | Counted::Dropped => return Ok(()),
             };
-            let (heads, ahead) = match self.durable_for(target, change).await {
-                Ok(read) => read,
+            let heads = match self.store.stats.heads(target).await {
+                Ok(heads) => heads,
                 Err(e) => {
                     tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
                     return Ok(());
                 }
             };
-            let durable = Durable {
-                fence: &fence,
-                heads: &heads,
-                ahead,
-            };
             // Dropped: the next read fills the entry from heads read after
             // the drop, and the consumer's write of this change corrects it.
             if self
                 .cache
-                .apply(target, change, layout, Some(durable), deadline)
+                .apply(target, change, layout, Some((&fence, &heads)), deadline)
                 .await?
                 == Counted::Dropped
             {

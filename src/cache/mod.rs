@@ -321,13 +321,8 @@ end
 /// filled from the durable heads given, if its fence is still `token`
 /// (else the script answers -2); with none given, the script arms the
 /// fence with `token` and answers the fence the heads must be read under.
-/// With a bucket, a seq and a version, the user's row at that version is
-/// counted in that bucket's base from that seq on (reconcile counted it
-/// ahead of this change): an entry whose base is that new gets the `c:`
-/// mark a drop may have taken.
 /// ARGV: n, ttl, deadline, buckets, n names, user, version, to, from,
-/// token, bucket, seq and version or three '', then '' or, per bucket, seq
-/// and n base.
+/// token, then '' or, per bucket, seq and n base.
 const APPLY: &str = r"
 local n = tonumber(ARGV[1])
 local nb = tonumber(ARGV[4])
@@ -337,17 +332,11 @@ local names = {}
 for i = 1, n do names[i] = ARGV[4 + i] end
 local user, version, to, from = ARGV[5 + n], tonumber(ARGV[6 + n]), ARGV[7 + n], ARGV[8 + n]
 if not complete(KEYS[1], nb) then
-  if ARGV[13 + n] == '' then return arm(KEYS[1], ARGV[9 + n], ARGV[2]) end
+  if ARGV[10 + n] == '' then return arm(KEYS[1], ARGV[9 + n], ARGV[2]) end
   if not armed(KEYS[1], ARGV[9 + n]) then return -2 end
-  fill(KEYS[1], names, nb, 13 + n)
+  fill(KEYS[1], names, nb, 10 + n)
   recompute(KEYS[1], names, nb, nil)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-if ARGV[10 + n] ~= '' then
-  local base = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[10 + n]) or '0')
-  if base >= tonumber(ARGV[11 + n]) then
-    redis.call('HSET', KEYS[1], 'c:' .. user, ARGV[12 + n] .. '|' .. now)
-  end
 end
 local counted = redis.call('HGET', KEYS[1], 'c:' .. user)
 if counted and tonumber(string.match(counted, '^(%d+)|')) >= version then
@@ -489,26 +478,6 @@ impl Fence {
         // its fence.
         Fence(format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0))
     }
-}
-
-/// What a vote's change fills an entry without every base from.
-#[derive(Debug, Clone, Copy)]
-pub struct Durable<'a> {
-    /// Armed before the heads were read.
-    pub fence: &'a Fence,
-    /// Every bucket's head.
-    pub heads: &'a Heads,
-    /// Where the heads count the voter's row already, when reconcile
-    /// counted it ahead of this step.
-    pub ahead: Option<Ahead>,
-}
-
-/// The voter's row at `version`, counted in `bucket`'s base from `seq` on.
-#[derive(Debug, Clone, Copy)]
-pub struct Ahead {
-    pub bucket: Bucket,
-    pub seq: i64,
-    pub version: i64,
 }
 
 /// What a vote's change did to its target's entry.
@@ -789,16 +758,16 @@ impl Cache {
 
     /// Counts a committed change ahead of the consumer, if Redis runs it
     /// before `deadline` (from `change_deadline`, taken once per change).
-    /// With `durable` (every bucket's head, read under its fence) an entry
-    /// missing a base is filled first, if its fence still holds; without,
-    /// such an entry is only armed, and the answer is the fence to read the
-    /// heads under.
+    /// With `durable` (every bucket's head, read under the fence given) an
+    /// entry missing a base is filled first, if its fence still holds;
+    /// without, such an entry is only armed, and the answer is the fence to
+    /// read the heads under.
     pub async fn apply(
         &self,
         target: &TargetId,
         change: &Pending<'_>,
         buckets: Layout,
-        durable: Option<Durable<'_>>,
+        durable: Option<(&Fence, &Heads)>,
         deadline: SystemTime,
     ) -> Result<Counted, CacheError> {
         let deadline_ms = deadline
@@ -815,16 +784,12 @@ impl Cache {
             .arg(change.to.as_str())
             .arg(change.from.as_str());
         match durable {
-            Some(durable) => {
-                call.arg(&durable.fence.0);
-                match durable.ahead {
-                    Some(a) => call.arg(a.bucket.index()).arg(a.seq).arg(a.version),
-                    None => call.arg("").arg("").arg(""),
-                };
-                push_heads(&mut call, durable.heads);
+            Some((fence, heads)) => {
+                call.arg(&fence.0);
+                push_heads(&mut call, heads);
             }
             None => {
-                call.arg(&Fence::new().0).arg("").arg("").arg("").arg("");
+                call.arg(&Fence::new().0).arg("");
             }
         }
         let answer: Result<redis::Value, CacheError> = self
