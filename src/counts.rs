@@ -25,6 +25,12 @@ pub struct Counts {
 /// Cache misses read from Cassandra at once, per process.
 pub const MISS_READS: usize = 64;
 
+/// Fills a vote's change tries when the entry is dropped between its fence
+/// and its fill, within the change's budget: the voter should read their
+/// own vote, which the next read's fill may not count until the consumer
+/// has.
+const FILL_TRIES: usize = 3;
+
 impl Counts {
     pub fn new(cache: Cache, store: Arc<Store>) -> Counts {
         Counts {
@@ -135,9 +141,10 @@ impl Counts {
     /// Counts a committed change in the cache, ahead of the consumer. Runs
     /// before the change is published, and Redis refuses it once its
     /// deadline has passed, so the consumer's write of the same change can
-    /// never land before it. A miss fills from the durable head first. A
-    /// cache failure costs freshness until the consumer's next write of the
-    /// target, never the vote.
+    /// never land before it. A miss fills from the durable heads first,
+    /// under the entry's fence (see `Cache::apply`). A cache failure costs
+    /// freshness until the consumer's next write of the target, never the
+    /// vote.
     pub async fn apply_committed(&self, target: &TargetId, change: &Pending<'_>) {
         // One deadline for the whole step, which Redis enforces too: after
         // it the change may be published, and the consumer's write of it may
@@ -145,32 +152,35 @@ impl Counts {
         let deadline = self.cache.change_deadline();
         let layout = self.store.layout;
         let step = async {
-            let fence = match self
-                .cache
-                .apply(target, change, layout, None, deadline)
-                .await?
-            {
-                Counted::NeedsHeads(fence) => fence,
-                Counted::Yes | Counted::Dropped => return Ok(()),
-            };
-            let heads = match self.store.stats.heads(target).await {
-                Ok(heads) => heads,
-                Err(e) => {
-                    tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
+            for _ in 0..FILL_TRIES {
+                let fence = match self
+                    .cache
+                    .apply(target, change, layout, None, deadline)
+                    .await?
+                {
+                    Counted::NeedsHeads(fence) => fence,
+                    Counted::Yes | Counted::Dropped => return Ok(()),
+                };
+                let heads = match self.store.stats.heads(target).await {
+                    Ok(heads) => heads,
+                    Err(e) => {
+                        tracing::warn!(target_id = %target, error = %e, "no durable totals to fill the cache from");
+                        return Ok(());
+                    }
+                };
+                if self
+                    .cache
+                    .apply(target, change, layout, Some((&fence, &heads)), deadline)
+                    .await?
+                    != Counted::Dropped
+                {
                     return Ok(());
                 }
-            };
-            // Dropped: the next read fills the entry from heads read after
-            // the drop, and the consumer's write of this change corrects it.
-            if self
-                .cache
-                .apply(target, change, layout, Some((&fence, &heads)), deadline)
-                .await?
-                == Counted::Dropped
-            {
                 metrics::counter!(crate::metrics::CACHE_FILLS_FENCED, "step" => "vote")
                     .increment(1);
             }
+            // Left to the next read, which fills the entry from heads read
+            // after the drops, and to the consumer's write of this change.
             Ok(())
         };
         let result = tokio::time::timeout(self.cache.change_budget(), step)
