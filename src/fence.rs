@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use crate::cache::{Cache, Written};
-use crate::domain::{Applied, Bucket, TargetId, TargetType, Totals, UserId};
+use crate::domain::{Applied, Bucket, Layout, TargetId, TargetType, Totals, UserId};
 use crate::store::stats::{FencedWrite, Head, ReadAt, Stats};
 use crate::store::{Cas, StoreError};
 
@@ -128,6 +128,7 @@ pub async fn write(
         else {
             done.ending = Ending::Settled;
             done.left = Some((head.seq, head.totals));
+            done.requests += settle(stats, cache, (target, bucket), head, &applied).await;
             return Ok(done);
         };
         let before: Vec<Option<Applied>> =
@@ -140,6 +141,17 @@ pub async fn write(
             before: &before,
         };
         let outcome = land(stats, cache, (target, bucket), &proposal, &[]).await;
+        if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
+            // The rows it read and left as they were (their events replays)
+            // are counted in the new base too, at their versions or later.
+            let replayed: Vec<(&UserId, i64)> = applied
+                .iter()
+                .filter(|(u, _)| !rows.iter().any(|(r, _)| r == *u))
+                .map(|(u, a)| (u, a.version))
+                .collect();
+            let place = (target, (stats.layout(), bucket));
+            settle_pending(cache, place, head.seq.unwrap_or(0) + 1, &replayed).await;
+        }
         done.requests += 1;
         match outcome {
             Cas::Applied => {
@@ -192,7 +204,10 @@ pub async fn land(
 ) -> Cas {
     let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats", &outcome);
-    write_through(stats, cache, (target, bucket), proposal, ahead, &outcome).await;
+    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
+        let written = written(stats, bucket, proposal, proposal.users, ahead);
+        write_through(cache, target, &written).await;
+    }
     outcome
 }
 
@@ -206,30 +221,83 @@ pub async fn land_unread(
 ) -> Cas {
     let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats_unread", &outcome);
-    write_through(stats, cache, (target, bucket), proposal, &[], &outcome).await;
+    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
+        let written = written(stats, bucket, proposal, proposal.users, &[]);
+        write_through(cache, target, &written).await;
+    }
     outcome
 }
 
-async fn write_through(
+/// What a write that landed wrote: its totals as of the seq after the one it
+/// read, counting `users` at their rows.
+fn written<'a>(
+    stats: &Stats,
+    bucket: Bucket,
+    proposal: &FencedWrite<'_>,
+    users: &'a [(UserId, Applied)],
+    ahead: &'a [(UserId, i64)],
+) -> Written<'a> {
+    Written {
+        buckets: stats.layout(),
+        bucket,
+        seq: proposal.read_seq.unwrap_or(0) + 1,
+        totals: proposal.totals,
+        users,
+        ahead,
+    }
+}
+
+async fn write_through(cache: &Cache, target: &TargetId, written: &Written<'_>) {
+    if let Err(e) = cache.write_through(target, written).await {
+        let bucket = written.bucket;
+        tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+    }
+}
+
+/// A round that found its events counted already writes nothing, so
+/// nothing would take a pending change of theirs out of the cache. There is
+/// one when reconcile counted a row ahead of its vote and a drop took the
+/// mark that kept the vote's late cache step from counting it again (the
+/// step then counts it on top of heads that count it). The head is read
+/// again at SERIAL, which completes any write in flight: if it has not
+/// moved, it counts every row the round read. Returns the requests made.
+async fn settle(
     stats: &Stats,
     cache: Option<&Cache>,
     (target, bucket): (&TargetId, Bucket),
-    proposal: &FencedWrite<'_>,
-    ahead: &[(UserId, i64)],
-    outcome: &Cas,
+    head: Head,
+    applied: &HashMap<UserId, Applied>,
+) -> u64 {
+    let (Some(cache), Some(seq)) = (cache, head.seq) else {
+        return 0;
+    };
+    if applied.is_empty() {
+        return 0;
+    }
+    match stats.head(target, bucket, ReadAt::Serial).await {
+        Ok(again) if again.seq == head.seq => {}
+        // A writer that moved it writes its own through.
+        _ => return 1,
+    }
+    let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
+    settle_pending(cache, (target, (stats.layout(), bucket)), seq, &users).await;
+    1
+}
+
+/// Takes out of the cache the pending changes of `users` (each at most at
+/// its version) that the bucket's base counts, if the entry's base is at
+/// `seq` or newer, which counts each user at that version or a later one.
+async fn settle_pending(
+    cache: &Cache,
+    (target, (buckets, bucket)): (&TargetId, (Layout, Bucket)),
+    seq: i64,
+    users: &[(&UserId, i64)],
 ) {
-    if let (Cas::Applied, Some(cache)) = (outcome, cache) {
-        let written = Written {
-            buckets: stats.layout(),
-            bucket,
-            seq: proposal.read_seq.unwrap_or(0) + 1,
-            totals: proposal.totals,
-            users: proposal.users,
-            ahead,
-        };
-        if let Err(e) = cache.write_through(target, &written).await {
-            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
-        }
+    if users.is_empty() {
+        return;
+    }
+    if let Err(e) = cache.settle(target, (buckets, bucket), seq, users).await {
+        tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "pending changes counted durably not taken out of the cache");
     }
 }
 

@@ -26,7 +26,7 @@ pub const CACHE_FILLS: &str = "tally_cache_fills_total";
 /// took, so they are not written.
 pub const CACHE_FILLS_FENCED: &str = "tally_cache_fills_fenced_total";
 /// Writes of a change to an entry that Redis answered with an error (out of
-/// memory, say), by step (vote, write_through); each entry is then dropped.
+/// memory, say), by step (vote, write_through, settle); each entry is then dropped.
 pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
@@ -146,7 +146,7 @@ fn describe() {
     );
     describe_counter!(
         CACHE_WRITES_REFUSED,
-        "changes Redis refused to write to an entry, by step (vote, write_through); the entry is dropped"
+        "changes Redis refused to write to an entry, by step (vote, write_through, settle); the entry is dropped"
     );
     describe_counter!(
         CAS,

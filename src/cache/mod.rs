@@ -430,6 +430,30 @@ if newer then return 1 end
 return 0
 ";
 
+/// Pending changes a bucket's base counts already, taken out: each user's
+/// at most at its version, if the entry holds that bucket's base at `seq`
+/// or newer. Writes nothing to an entry without such a base (or none).
+/// ARGV: n, buckets, n names, bucket, seq, k, then k times user, version.
+const SETTLE: &str = r"
+local n = tonumber(ARGV[1])
+local nb = tonumber(ARGV[2])
+local names = {}
+for i = 1, n do names[i] = ARGV[2 + i] end
+local base = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[3 + n]) or '-1')
+if base < tonumber(ARGV[4 + n]) then return 0 end
+local taken = 0
+for j = 0, tonumber(ARGV[5 + n]) - 1 do
+  local field = 'p:' .. ARGV[6 + n + 2 * j]
+  local cur = redis.call('HGET', KEYS[1], field)
+  if cur and parse(cur) <= tonumber(ARGV[7 + n + 2 * j]) then
+    redis.call('HDEL', KEYS[1], field)
+    taken = taken + 1
+  end
+end
+if taken > 0 then recompute(KEYS[1], names, nb, nil) end
+return taken
+";
+
 /// The names of the counted reactions, in `Totals` order.
 fn names() -> Vec<&'static str> {
     Reaction::COUNTED.iter().map(|r| r.as_str()).collect()
@@ -529,6 +553,7 @@ pub struct Cache {
     arm: Arc<Script>,
     fill: Arc<Script>,
     write_through: Arc<Script>,
+    settle: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
 }
@@ -561,6 +586,7 @@ impl Cache {
             arm: script(ARM),
             fill: script(FILL),
             write_through: script(WRITE_THROUGH),
+            settle: script(SETTLE),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
             timeout: config.timeout,
         })
@@ -844,6 +870,37 @@ impl Cache {
         match written {
             Ok(_) => Ok(()),
             Err(e) => Err(self.refused(target, "write_through", e).await),
+        }
+    }
+
+    /// Takes out the pending changes of `users` (each at most at its
+    /// version) that `bucket`'s base counts, if the entry's base of it is at
+    /// `seq` or newer: a durable round found those users counted at those
+    /// versions as of `seq`, and wrote nothing that would write them
+    /// through. Answers how many it took out.
+    pub async fn settle(
+        &self,
+        target: &TargetId,
+        (buckets, bucket): (Layout, Bucket),
+        seq: i64,
+        users: &[(&UserId, i64)],
+    ) -> Result<u64, CacheError> {
+        let mut call = self.settle.key(self.key(target));
+        call.arg(N_COUNTED)
+            .arg(buckets.count())
+            .arg(names())
+            .arg(bucket.index())
+            .arg(seq)
+            .arg(users.len());
+        for (user, version) in users {
+            call.arg(user.as_str()).arg(*version);
+        }
+        let taken: Result<u64, CacheError> = self
+            .within(|mut c| async move { call.invoke_async(&mut c).await })
+            .await;
+        match taken {
+            Ok(n) => Ok(n),
+            Err(e) => Err(self.refused(target, "settle", e).await),
         }
     }
 

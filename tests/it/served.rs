@@ -642,6 +642,69 @@ async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_
     Ok(())
 }
 
+/// Reconcile counts a voter's row before the vote's own cache step has run,
+/// and marks the user so that the step does not count them again. A drop
+/// then takes the entry and the mark, and the late step counts the like on
+/// top of heads that count it already, whether it fills the entry itself or
+/// a reader filled it first. The consumer, taking the vote's transition,
+/// finds it counted and takes that pending change out: once it has drained,
+/// the summary serves the like once.
+#[tokio::test]
+async fn a_votes_late_cache_step_after_a_drop_is_served_once_when_the_consumer_drains() -> TestResult
+{
+    use tally::cache::{Cache, Pending};
+    use tally::domain::{TargetId, UserId};
+
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let store = Arc::new(tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?);
+    let counts = tally::counts::Counts::new(cache.clone(), store.clone());
+    let ann = UserId::parse("ann")?;
+    let change = Pending {
+        user: &ann,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    let served = async |id: &str| {
+        let reply = app.summary("reader", id).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["items"][id]["likes"].as_i64()
+    };
+    let ids = ["ahead", "refilled"];
+    for id in ids {
+        let target = TargetId::parse(id)?;
+        // ann's like commits; nothing counts it durably yet.
+        let reply = app.vote("ann", new_key(), id, "like").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        env.reconciler().await.target(&target, false).await?;
+        assert_eq!(store.stats.totals(&target).await?.get(Reaction::Like), 1);
+        cache.invalidate(&target).await?;
+        if id == "refilled" {
+            assert_eq!(served(id).await, Some(1), "a reader refills {id}");
+        }
+        // Her vote's cache step comes only now, and counts her again.
+        counts.apply_committed(&target, &change).await;
+        assert_eq!(served_likes(&cache, &target).await?, Some(2), "{id}");
+    }
+
+    let consumer = env.start_consumer();
+    for id in ids {
+        eventually(
+            &format!("{id} served once the consumer has her transition"),
+            Duration::from_secs(30),
+            || async { (served(id).await == Some(1)).then_some(()) },
+        )
+        .await;
+    }
+    consumer.stop().await;
+    for id in ids {
+        assert_eq!(served(id).await, Some(1), "{id}");
+    }
+    Ok(())
+}
+
 /// A read's miss filling `target`'s entry with `heads`, its fence armed
 /// first, as a reader armed it.
 async fn fill(
