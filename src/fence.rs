@@ -74,7 +74,9 @@ pub struct Fenced {
     pub writes: u32,
     /// Rounds that lost the fence or could not tell whether they landed.
     pub lost: u32,
-    /// CQL requests made: two reads per round and one per write attempt.
+    /// CQL requests made: two reads per round and one per write attempt,
+    /// and a SERIAL read of the head when a round that settles finds its
+    /// users' changes still pending in the cache (see `settle`).
     pub requests: u64,
     /// The bucket's seq and totals as the last round left them (read, or
     /// written): what a writer may take as current until someone else
@@ -258,9 +260,10 @@ async fn write_through(cache: &Cache, target: &TargetId, written: &Written<'_>) 
 /// nothing would take a pending change of theirs out of the cache. There is
 /// one when reconcile counted a row ahead of its vote and a drop took the
 /// mark that kept the vote's late cache step from counting it again (the
-/// step then counts it on top of heads that count it). The head is read
-/// again at SERIAL, which completes any write in flight: if it has not
-/// moved, it counts every row the round read. Returns the requests made.
+/// step then counts it on top of heads that count it). Only if the entry
+/// holds a pending change of the round's users, the head is read again at
+/// SERIAL, which completes any write in flight: if it has not moved, it
+/// counts every row the round read. Returns the CQL requests made.
 async fn settle(
     stats: &Stats,
     cache: Option<&Cache>,
@@ -271,7 +274,11 @@ async fn settle(
     let (Some(cache), Some(seq)) = (cache, head.seq) else {
         return 0;
     };
-    if applied.is_empty() {
+    let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
+    // Replays after a rebalance settle round after round, and their
+    // changes are long gone from the cache: a Paxos read each would be
+    // wasted.
+    if users.is_empty() || !cache.any_pending(target, &users).await.unwrap_or(false) {
         return 0;
     }
     match stats.head(target, bucket, ReadAt::Serial).await {
@@ -279,7 +286,6 @@ async fn settle(
         // A writer that moved it writes its own through.
         _ => return 1,
     }
-    let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
     settle_pending(cache, (target, (stats.layout(), bucket)), seq, &users).await;
     1
 }
