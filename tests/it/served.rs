@@ -530,7 +530,7 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
 /// is served the vote. A vote's own fill is fenced the same way.
 #[tokio::test]
 async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_it() -> TestResult {
-    use tally::cache::{Cache, Counted, Pending};
+    use tally::cache::{Cache, Counted};
     use tally::domain::{TargetId, UserId};
 
     let env = TestEnv::new().await;
@@ -605,12 +605,7 @@ async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_
     // heads, and fills under it; an entry dropped in between is left alone.
     cache.invalidate(&target).await?;
     let cid = UserId::parse("cid")?;
-    let change = Pending {
-        user: &cid,
-        version: 1,
-        from: Reaction::None,
-        to: Reaction::Like,
-    };
+    let change = first_like(&cid);
     let deadline = cache.change_deadline();
     let first = cache
         .apply(&target, &change, store.layout, None, deadline)
@@ -656,7 +651,7 @@ async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_
 #[tokio::test]
 async fn a_votes_late_cache_step_after_a_drop_is_served_once_when_the_consumer_drains() -> TestResult
 {
-    use tally::cache::{Cache, Pending};
+    use tally::cache::Cache;
     use tally::domain::{TargetId, UserId};
 
     let env = TestEnv::new().await;
@@ -665,12 +660,7 @@ async fn a_votes_late_cache_step_after_a_drop_is_served_once_when_the_consumer_d
     let store = Arc::new(tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?);
     let counts = tally::counts::Counts::new(cache.clone(), store.clone());
     let ann = UserId::parse("ann")?;
-    let change = Pending {
-        user: &ann,
-        version: 1,
-        from: Reaction::None,
-        to: Reaction::Like,
-    };
+    let change = first_like(&ann);
     let served = async |id: &str| {
         let reply = app.summary("reader", id).await;
         assert_eq!(reply.status, 200, "{}", reply.body);
@@ -734,6 +724,16 @@ async fn fill(
     Ok(())
 }
 
+/// `user`'s first like (row version 1), as a vote's cache step counts it.
+fn first_like(user: &tally::domain::UserId) -> tally::cache::Pending<'_> {
+    tally::cache::Pending {
+        user,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    }
+}
+
 /// A vote's cache step for `user`'s first like (row version 1), ahead of
 /// the consumer.
 async fn count_first_like(
@@ -742,14 +742,14 @@ async fn count_first_like(
     user: &tally::domain::UserId,
     layout: tally::domain::Layout,
 ) -> anyhow::Result<()> {
-    let change = tally::cache::Pending {
-        user,
-        version: 1,
-        from: Reaction::None,
-        to: Reaction::Like,
-    };
     cache
-        .apply(target, &change, layout, None, cache.change_deadline())
+        .apply(
+            target,
+            &first_like(user),
+            layout,
+            None,
+            cache.change_deadline(),
+        )
         .await?;
     Ok(())
 }
