@@ -206,10 +206,7 @@ pub async fn land(
 ) -> Cas {
     let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats", &outcome);
-    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
-        let written = written(stats, bucket, proposal, proposal.users, ahead);
-        write_through(cache, target, &written).await;
-    }
+    write_through(stats, cache, (target, bucket), proposal, ahead, &outcome).await;
     outcome
 }
 
@@ -223,36 +220,30 @@ pub async fn land_unread(
 ) -> Cas {
     let outcome = stats.write(target, bucket, proposal).await;
     crate::metrics::cas("stats_unread", &outcome);
-    if let (Cas::Applied, Some(cache)) = (&outcome, cache) {
-        let written = written(stats, bucket, proposal, proposal.users, &[]);
-        write_through(cache, target, &written).await;
-    }
+    write_through(stats, cache, (target, bucket), proposal, &[], &outcome).await;
     outcome
 }
 
-/// What a write that landed wrote: its totals as of the seq after the one it
-/// read, counting `users` at their rows.
-fn written<'a>(
+async fn write_through(
     stats: &Stats,
-    bucket: Bucket,
+    cache: Option<&Cache>,
+    (target, bucket): (&TargetId, Bucket),
     proposal: &FencedWrite<'_>,
-    users: &'a [(UserId, Applied)],
-    ahead: &'a [(UserId, i64)],
-) -> Written<'a> {
-    Written {
-        buckets: stats.layout(),
-        bucket,
-        seq: proposal.read_seq.unwrap_or(0) + 1,
-        totals: proposal.totals,
-        users,
-        ahead,
-    }
-}
-
-async fn write_through(cache: &Cache, target: &TargetId, written: &Written<'_>) {
-    if let Err(e) = cache.write_through(target, written).await {
-        let bucket = written.bucket;
-        tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+    ahead: &[(UserId, i64)],
+    outcome: &Cas,
+) {
+    if let (Cas::Applied, Some(cache)) = (outcome, cache) {
+        let written = Written {
+            buckets: stats.layout(),
+            bucket,
+            seq: proposal.read_seq.unwrap_or(0) + 1,
+            totals: proposal.totals,
+            users: proposal.users,
+            ahead,
+        };
+        if let Err(e) = cache.write_through(target, &written).await {
+            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
+        }
     }
 }
 
