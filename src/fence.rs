@@ -268,8 +268,9 @@ async fn settle(
     let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
     // Replays after a rebalance settle round after round, and their
     // changes are long gone from the cache: a Paxos read each would be
-    // wasted.
-    if users.is_empty() || !cache.any_pending(target, &users).await.unwrap_or(false) {
+    // wasted. An entry Redis did not answer for may hold one: the settle
+    // goes ahead, and owes the entry a drop if Redis still does not answer.
+    if users.is_empty() || !cache.any_pending(target, &users).await.unwrap_or(true) {
         return 0;
     }
     match stats.head(target, bucket, ReadAt::Serial).await {

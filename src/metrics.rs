@@ -28,6 +28,9 @@ pub const CACHE_FILLS_FENCED: &str = "tally_cache_fills_fenced_total";
 /// Writes of a change to an entry that Redis answered with an error (out of
 /// memory, say), by step (vote, write_through, settle); each entry is then dropped.
 pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
+/// Entries a write through or a settle could not reach (Redis did not
+/// answer), to be dropped once it does: each may serve older totals until then.
+pub const CACHE_DROPS_OWED: &str = "tally_cache_drops_owed";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
 pub const CAS: &str = "tally_cas_total";
@@ -147,6 +150,10 @@ fn describe() {
     describe_counter!(
         CACHE_WRITES_REFUSED,
         "changes Redis refused to write to an entry, by step (vote, write_through, settle); the entry is dropped"
+    );
+    describe_gauge!(
+        CACHE_DROPS_OWED,
+        "cache entries a write through or settle could not reach, dropped once Redis answers; until then they may serve older totals"
     );
     describe_counter!(
         CAS,

@@ -1,5 +1,7 @@
 //! The only code that speaks Redis: the per-target count cache.
 
+mod owed;
+
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -119,6 +121,18 @@ impl RedisConfig {
             redis::Client::build_with_tls(info, certificates).context("Bad Redis TLS settings")?;
         Ok(client.get_connection_info().clone())
     }
+}
+
+/// `text` matching itself only, in a Redis glob pattern.
+fn glob_escaped(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
 }
 
 /// A URL as it may be printed: any password in it replaced.
@@ -549,6 +563,9 @@ pub struct Cache {
     settle: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
+    /// Entries a write through or a settle could not reach, shared by every
+    /// clone (see `owed`).
+    owed: Arc<Mutex<owed::Owed>>,
 }
 
 /// The connection a cache's operations share: `None` until the first one,
@@ -563,6 +580,12 @@ struct Held {
 /// How old a pending change may grow before a write-through drops it: far
 /// beyond a healthy consumer's lag.
 const PENDING_STALE: Duration = Duration::from_secs(30);
+
+/// Keys dropped a round trip when the drops owed are paid.
+const DROPS_A_ROUND_TRIP: usize = 500;
+
+/// How often a process that owes drops tries Redis again.
+const DROPS_OWED_EVERY: Duration = Duration::from_millis(250);
 
 /// How much earlier than its own deadline a vote's change is refused by
 /// Redis: a margin for the clocks of the API and Redis to disagree.
@@ -581,6 +604,7 @@ impl Cache {
             settle: script(SETTLE),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
             timeout: config.timeout,
+            owed: Arc::default(),
         })
     }
 
@@ -594,6 +618,15 @@ impl Cache {
             held: Arc::default(),
             ..self.clone()
         })
+    }
+
+    /// The same cache remembering at most `most` entries owed a drop by key
+    /// (`owed::MOST_OWED` otherwise); past that, every entry is dropped.
+    pub fn remembering_drops(self, most: usize) -> Cache {
+        Cache {
+            owed: Arc::new(Mutex::new(owed::Owed::with_most(most))),
+            ..self
+        }
     }
 
     fn key(&self, target: &TargetId) -> String {
@@ -808,7 +841,12 @@ impl Cache {
             .await;
         let answer = match answer {
             Ok(a) => a,
-            Err(e) => return Err(self.refused(target, "vote", e).await),
+            Err(e) => {
+                // A change that timed out is left to the consumer's write
+                // through: Redis refuses it after its deadline.
+                self.drop_refused(target, "vote", &e).await;
+                return Err(e);
+            }
         };
         match answer {
             // Too late: Redis ran it after the vote gave up waiting.
@@ -854,7 +892,7 @@ impl Cache {
             .await;
         match written {
             Ok(_) => Ok(()),
-            Err(e) => Err(self.refused(target, "write_through", e).await),
+            Err(e) => Err(self.left_behind(target, "write_through", e).await),
         }
     }
 
@@ -902,33 +940,173 @@ impl Cache {
             .await;
         match taken {
             Ok(n) => Ok(n),
-            Err(e) => Err(self.refused(target, "settle", e).await),
+            Err(e) => Err(self.left_behind(target, "settle", e).await),
         }
     }
 
     /// After a change could not be written to a target's entry: if Redis
-    /// answered no, drops the entry and counts it. Nothing else would bring
-    /// that entry up to date before it expired: under `maxmemory` with
-    /// `noeviction` Redis refuses every write, the consumer's writes through
-    /// too, and goes on serving reads from the entry. A DEL needs no memory.
-    /// A dropped entry is like one that expired: the next read fills it from
-    /// the durable totals, or, while writes are refused, serves them. A
-    /// change that timed out is left to the consumer's next write, as
-    /// before: a Redis that did not answer one command would hold a DEL as
-    /// long.
-    async fn refused(
+    /// answered no, drops the entry and counts it, and answers whether the
+    /// entry is gone. Nothing else would bring that entry up to date before
+    /// it expired: under `maxmemory` with `noeviction` Redis refuses every
+    /// write, the consumer's writes through too, and goes on serving reads
+    /// from the entry. A DEL needs no memory. A dropped entry is like one
+    /// that expired: the next read fills it from the durable totals, or,
+    /// while writes are refused, serves them.
+    async fn drop_refused(
+        &self,
+        target: &TargetId,
+        step: &'static str,
+        error: &CacheError,
+    ) -> bool {
+        if !error.answered_no() {
+            return false;
+        }
+        metrics::counter!(crate::metrics::CACHE_WRITES_REFUSED, "step" => step).increment(1);
+        match self.invalidate(target).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(target_id = %target, error = %e, "could not drop a cache entry Redis refused to change");
+                false
+            }
+        }
+    }
+
+    /// After a write through or a settle failed: an entry Redis refused is
+    /// dropped at once, and one it did not answer for (or could not drop) is
+    /// owed a drop, sent once Redis answers (`drop_owed`). No later step
+    /// would fix that entry: the votes' changes are counted in it already,
+    /// and the bucket may see no other write before the TTL.
+    async fn left_behind(
         &self,
         target: &TargetId,
         step: &'static str,
         error: CacheError,
     ) -> CacheError {
-        if error.answered_no() {
-            metrics::counter!(crate::metrics::CACHE_WRITES_REFUSED, "step" => step).increment(1);
-            if let Err(e) = self.invalidate(target).await {
-                tracing::warn!(target_id = %target, error = %e, "could not drop a cache entry Redis refused to change");
-            }
+        if !self.drop_refused(target, step, &error).await {
+            self.owe(target);
         }
         error
+    }
+
+    fn owe(&self, target: &TargetId) {
+        if let Ok(mut owed) = self.owed.lock() {
+            owed.owe(self.key(target));
+            metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
+        }
+    }
+
+    /// Whether any entry is owed a drop.
+    pub fn owes_drops(&self) -> bool {
+        self.owed.lock().is_ok_and(|owed| owed.any())
+    }
+
+    /// Drops the entries owed a drop, as many as Redis takes now; on an
+    /// error the rest stay owed. Answers how many were dropped (a sweep of
+    /// every entry counts as one).
+    pub async fn drop_owed(&self) -> Result<usize, CacheError> {
+        let mut dropped = 0;
+        let sweep = self.owed.lock().ok().and_then(|owed| owed.sweep_due());
+        if let Some(as_of) = sweep {
+            self.drop_every_entry().await?;
+            if let Ok(mut owed) = self.owed.lock() {
+                owed.swept(as_of);
+            }
+            dropped += 1;
+        }
+        loop {
+            let due = self
+                .owed
+                .lock()
+                .map(|owed| owed.due(DROPS_A_ROUND_TRIP))
+                .unwrap_or_default();
+            if due.is_empty() {
+                return Ok(dropped);
+            }
+            let mut pipe = redis::Pipeline::with_capacity(due.len());
+            for (key, _) in &due {
+                pipe.cmd("DEL").arg(key).ignore();
+            }
+            self.within(|mut c| async move { pipe.query_async::<()>(&mut c).await })
+                .await?;
+            dropped += due.len();
+            if let Ok(mut owed) = self.owed.lock() {
+                owed.paid(&due);
+                metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
+            }
+        }
+    }
+
+    /// Drops every count entry of this prefix, a batch of keys a round
+    /// trip: for an outage that owed more entries than are remembered.
+    async fn drop_every_entry(&self) -> Result<(), CacheError> {
+        let pattern = format!("{}:d:*", glob_escaped(&self.prefix));
+        let mut cursor: u64 = 0;
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(DROPS_A_ROUND_TRIP);
+            let (next, keys): (u64, Vec<String>) = self
+                .within(|mut c| async move { scan.query_async(&mut c).await })
+                .await?;
+            if !keys.is_empty() {
+                let unlink = redis::cmd("UNLINK").arg(&keys).to_owned();
+                self.within(|mut c| async move { unlink.query_async::<()>(&mut c).await })
+                    .await?;
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    /// Sends the drops owed (`drop_owed`) whenever there are some, for as
+    /// long as the process runs.
+    pub async fn keep_dropping_owed(self) {
+        let mut tick = tokio::time::interval(DROPS_OWED_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if !self.owes_drops() {
+                continue;
+            }
+            match self.drop_owed().await {
+                Ok(n) => {
+                    tracing::info!(
+                        dropped = n,
+                        "dropped cache entries that writes through could not reach; reads fill them from the durable totals"
+                    )
+                }
+                // Redis still away: the next tick tries again.
+                Err(e) => {
+                    tracing::debug!(error = %e, "cache entries owed a drop still wait for Redis")
+                }
+            }
+        }
+    }
+
+    /// Sends the drops owed within `bound`, when a process that owes them is
+    /// about to end: nothing would send them after it. Answers whether
+    /// entries are still owed.
+    pub async fn drop_owed_before_exit(&self, bound: Duration) -> bool {
+        let _ = tokio::time::timeout(bound, async {
+            while self.owes_drops() {
+                if self.drop_owed().await.is_err() {
+                    tokio::time::sleep(DROPS_OWED_EVERY).await;
+                }
+            }
+        })
+        .await;
+        let owed = self.owes_drops();
+        if owed {
+            tracing::warn!(
+                "cache entries that writes through could not reach were not dropped: they may serve older totals until they expire"
+            );
+        }
+        owed
     }
 
     /// Drops a target's entry, so the next read refills it from the durable totals.
@@ -1069,6 +1247,12 @@ impl TtlPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_matches_itself_only_in_a_scan_pattern() {
+        assert_eq!(glob_escaped("tally"), "tally");
+        assert_eq!(glob_escaped("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+    }
 
     #[test]
     fn only_failures_that_may_break_the_connection_let_it_go() {

@@ -77,6 +77,10 @@ fn parse_target(s: &str) -> Result<TargetId, String> {
     TargetId::parse(s).map_err(|e| e.to_string())
 }
 
+/// Longest a run waits, at its end, for Redis to take the drops of entries
+/// its writes through could not reach.
+const DROPS_BOUND: Duration = Duration::from_secs(10);
+
 /// Exit status of `tally reconcile --fail-on-drift` when drift was found.
 const DRIFT_FOUND: u8 = 3;
 /// Exit status of `tally reconcile --target` when a named target could not
@@ -88,7 +92,10 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let cache = Cache::new(&args.redis, Duration::from_secs(60))
         .inspect_err(|e| tracing::warn!(error = %e, "no cache; repaired targets keep stale cached totals until they expire"))
         .ok();
-    let reconciler = Reconciler::new(store, cache)
+    let drops_task = cache
+        .clone()
+        .map(|cache| tokio::spawn(cache.keep_dropping_owed()));
+    let reconciler = Reconciler::new(store, cache.clone())
         .with_lag_grace(args.lag_grace)
         .with_max_fence_losses(args.max_fence_losses);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -96,11 +103,16 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
         super::shutdown_signal().await;
         let _ = stop_tx.send(true);
     });
-    let summary = if args.all {
-        sweep_on_schedule(&reconciler, &args, &stop_rx).await?
+    let swept = if args.all {
+        sweep_on_schedule(&reconciler, &args, &stop_rx).await
     } else {
-        each_target(&reconciler, &args.targets, args.dry_run).await?
+        each_target(&reconciler, &args.targets, args.dry_run).await
     };
+    if let (Some(task), Some(cache)) = (drops_task, &cache) {
+        task.abort();
+        cache.drop_owed_before_exit(DROPS_BOUND).await;
+    }
+    let summary = swept?;
     if args.json {
         println!("{}", json_report(&summary, args.dry_run));
     } else {

@@ -858,3 +858,143 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
     assert_eq!(served().await, Some(like(3)));
     Ok(())
 }
+
+#[tokio::test]
+async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it_thaws()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let mut config = env.api_config();
+    config.stores.redis.url = url.clone();
+    config.stores.redis.timeout = Duration::from_millis(300);
+    let app = env.spawn_app_with(config).await;
+    let mut consumer = env.consumer_config();
+    consumer.stores.redis.url = url;
+    consumer.stores.redis.timeout = Duration::from_millis(300);
+    let consumer = env.start_consumer_with(consumer);
+    let served = async || {
+        let summary = app.summary("reader", "frozen").await.json();
+        serde_json::from_value::<Totals>(summary["items"]["frozen"].clone()).ok()
+    };
+    let first = app.vote("ida", new_key(), "frozen", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let one_like = Totals::count([Reaction::Like]);
+    eventually("the first like served", Duration::from_secs(30), || async {
+        (served().await? == one_like).then_some(())
+    })
+    .await;
+
+    // Frozen, Redis holds the entry at one like and takes nothing: the
+    // votes' cache steps run out their deadlines, and so do the consumer's
+    // writes through of the dislikes it counts durably.
+    redis.freeze();
+    let voters = ["f1", "f2", "f3", "f4", "f5", "f6"];
+    for user in voters {
+        let reply = app.vote(user, new_key(), "frozen", "dislike").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    eventually(
+        "the consumer to be past the dislikes' writes through",
+        Duration::from_secs(60),
+        || async { (consumer.processed() > voters.len() as u64).then_some(()) },
+    )
+    .await;
+    redis.thaw();
+
+    // Well within the entry's TTL (60 s), which is what would end a base
+    // left behind by the lost writes through.
+    let truth = Totals::count(
+        std::iter::once(Reaction::Like).chain(voters.iter().map(|_| Reaction::Dislike)),
+    );
+    eventually(
+        "the served count to catch up with the durable one after the thaw",
+        Duration::from_secs(15),
+        || async { (served().await? == truth).then_some(()) },
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        env.recount()
+            .await
+            .get("frozen")
+            .map(|t| t.totals)
+            .unwrap_or_default(),
+        truth
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn more_entries_owed_a_drop_than_are_remembered_drop_every_entry_once_redis_answers()
+-> TestResult {
+    use tally::cache::{Cache, RedisConfig, Written};
+    use tally::domain::{Bucket, Layout, TargetId};
+
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let mut config = RedisConfig::local("owed");
+    config.url = url.clone();
+    config.timeout = Duration::from_millis(300);
+    let cache = Cache::new(&config, Duration::from_secs(60))?.remembering_drops(1);
+    let one = Layout::new(1)?;
+    let written = |seq| Written {
+        buckets: one,
+        bucket: Bucket::FIRST,
+        seq,
+        totals: Totals::count([Reaction::Like]),
+        users: &[],
+        ahead: &[],
+    };
+    let targets = [
+        TargetId::parse("a")?,
+        TargetId::parse("b")?,
+        TargetId::parse("c")?,
+    ];
+    for target in &targets {
+        eventually("Redis to take a write", Duration::from_secs(10), || async {
+            cache.write_through(target, &written(1)).await.ok()
+        })
+        .await;
+    }
+    let mut conn = redis::Client::open(url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    // Another deployment's entry, in the same Redis.
+    let _: () = redis::cmd("SET")
+        .arg("other:d:a")
+        .arg("x")
+        .query_async(&mut conn)
+        .await?;
+
+    redis.freeze();
+    for target in &targets[..2] {
+        assert!(cache.write_through(target, &written(2)).await.is_err());
+    }
+    assert!(cache.owes_drops());
+    redis.thaw();
+
+    eventually("the drops owed sent", Duration::from_secs(10), || async {
+        cache.drop_owed().await.ok()
+    })
+    .await;
+    assert!(!cache.owes_drops());
+    let conn = redis::Client::open(url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let exists = async |key: &str| -> redis::RedisResult<bool> {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(&mut conn.clone())
+            .await
+    };
+    for target in ["a", "b", "c"] {
+        assert!(
+            !exists(&format!("owed:d:{target}")).await?,
+            "{target}: one entry more than remembered drops them all"
+        );
+    }
+    assert!(exists("other:d:a").await?, "another prefix's entry is kept");
+    Ok(())
+}
