@@ -265,6 +265,19 @@ async fn settle(
     let (Some(cache), Some(seq)) = (cache, head.seq) else {
         return 0;
     };
+    // The head may hold a write that landed without its write through (a
+    // writer without Redis, or one that died or timed out between the
+    // two): an entry behind it would serve the older base until the
+    // bucket's next write or the TTL. A dropped entry holds nothing to
+    // settle.
+    match cache.drop_if_behind(target, bucket, seq).await {
+        Ok(true) => return 0,
+        Ok(false) => {}
+        Err(e) => {
+            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable head");
+            return 0;
+        }
+    }
     let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
     // Replays after a rebalance settle round after round, and their
     // changes are long gone from the cache: a Paxos read each would be

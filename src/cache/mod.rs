@@ -462,6 +462,20 @@ if taken > 0 then recompute(KEYS[1], names, nb, nil) end
 return taken
 ";
 
+/// Drops an entry whose base of a bucket is older than `seq`, a durable
+/// head a round read and found its events counted in: a write landed there
+/// that was never written through (its writer had no Redis, died between
+/// the two, or timed out and landed after all), or its write through is
+/// still on the way, and a drop is safe either way. No entry, no drop.
+/// ARGV: bucket, seq.
+const DROP_BEHIND: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
+if cur >= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
 /// The names of the counted reactions, in `Totals` order.
 fn names() -> Vec<&'static str> {
     Reaction::COUNTED.iter().map(|r| r.as_str()).collect()
@@ -561,6 +575,7 @@ pub struct Cache {
     fill: Arc<Script>,
     write_through: Arc<Script>,
     settle: Arc<Script>,
+    drop_behind: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
     /// Entries a write through or a settle could not reach, shared by every
@@ -602,6 +617,7 @@ impl Cache {
             fill: script(FILL),
             write_through: script(WRITE_THROUGH),
             settle: script(SETTLE),
+            drop_behind: Arc::new(Script::new(DROP_BEHIND)),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
             timeout: config.timeout,
             owed: Arc::default(),
@@ -941,6 +957,26 @@ impl Cache {
         match taken {
             Ok(n) => Ok(n),
             Err(e) => Err(self.left_behind(target, "settle", e).await),
+        }
+    }
+
+    /// Drops the entry if its base of `bucket` is older than `seq`, a head
+    /// a durable round read and wrote nothing after (see `DROP_BEHIND`);
+    /// answers whether it did. One Redis did not answer is owed a drop.
+    pub async fn drop_if_behind(
+        &self,
+        target: &TargetId,
+        bucket: Bucket,
+        seq: i64,
+    ) -> Result<bool, CacheError> {
+        let mut call = self.drop_behind.key(self.key(target));
+        call.arg(bucket.index()).arg(seq);
+        let dropped: Result<i64, CacheError> = self
+            .within(|mut c| async move { call.invoke_async(&mut c).await })
+            .await;
+        match dropped {
+            Ok(n) => Ok(n == 1),
+            Err(e) => Err(self.left_behind(target, "drop_behind", e).await),
         }
     }
 

@@ -998,3 +998,54 @@ async fn more_entries_owed_a_drop_than_are_remembered_drop_every_entry_once_redi
     assert!(exists("other:d:a").await?, "another prefix's entry is kept");
     Ok(())
 }
+
+/// A durable write can land without its write through: a writer that runs
+/// without Redis (reconcile, when it cannot reach it), one killed between
+/// the two, one whose write timed out and landed anyway. The consumer's
+/// round for that transition then finds it counted and writes nothing, and
+/// the entry would serve the older base until the bucket's next write or
+/// the TTL.
+#[tokio::test]
+async fn a_count_that_landed_without_its_write_through_is_served_once_the_consumer_has_it()
+-> TestResult {
+    use tally::cache::Cache;
+    use tally::domain::TargetId;
+
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let store = Arc::new(tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?);
+    let target = TargetId::parse("unwritten")?;
+    let served = async || {
+        let reply = app.summary("reader", "unwritten").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["items"]["unwritten"]["likes"].as_i64()
+    };
+    let reply = app.vote("ann", new_key(), "unwritten", "like").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    // Her change out of the entry, as a drop takes it; the refill has
+    // nothing counted durably yet.
+    cache.invalidate(&target).await?;
+    assert_eq!(served().await, Some(0));
+    // Counted durably by a writer with no cache: nothing written through.
+    tally::reconcile::Reconciler::new(store.clone(), None)
+        .target(&target, false)
+        .await?;
+    assert_eq!(store.stats.totals(&target).await?.get(Reaction::Like), 1);
+    assert_eq!(
+        served().await,
+        Some(0),
+        "the entry is behind the durable totals"
+    );
+
+    let consumer = env.start_consumer();
+    eventually(
+        "the like served once the consumer has her transition",
+        Duration::from_secs(15),
+        || async { (served().await == Some(1)).then_some(()) },
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(served().await, Some(1));
+    Ok(())
+}
