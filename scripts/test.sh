@@ -54,13 +54,14 @@ fi
 
 echo "[test] cargo test"
 # Every test but the cluster run, which needs the cluster (below).
-cargo test --locked --lib --bins --test it --test chaos --test tidy "$@"
+# A failed run takes its stack down, as the secure and cluster runs below do.
+cargo test --locked --lib --bins --test it --test chaos --test tidy "$@" || { scripts/stack.sh down; exit 1; }
 cargo test --locked --doc
 
 # A reaction is data: the build with a third reaction passes the unit tests
 # and carries it through the real pipeline.
 echo "[test] a third reaction (--features third-reaction)"
-cargo test --locked --features third-reaction --lib --test it -- reactions:: domain:: api::openapi
+cargo test --locked --features third-reaction --lib --test it -- reactions:: domain:: api::openapi || { scripts/stack.sh down; exit 1; }
 
 echo "[test] benches compile"
 cargo bench --locked --no-run

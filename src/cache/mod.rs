@@ -599,6 +599,9 @@ const PENDING_STALE: Duration = Duration::from_secs(30);
 /// Keys dropped a round trip when the drops owed are paid.
 const DROPS_A_ROUND_TRIP: usize = 500;
 
+/// How often the consumer checks that Redis is the process it was.
+const RUN_CHECKED_EVERY: Duration = Duration::from_secs(1);
+
 /// How often a process that owes drops tries Redis again.
 const DROPS_OWED_EVERY: Duration = Duration::from_millis(250);
 
@@ -1096,6 +1099,66 @@ impl Cache {
                 return Ok(());
             }
             cursor = next;
+        }
+    }
+
+    /// Drops every entry if Redis is another process than the one that
+    /// answered the last check, one that came up holding entries: a restart
+    /// that loaded a snapshot, or a replica promoted after it missed the last
+    /// writes through, serves bases older than writes whose writes through it
+    /// never saw, and the fence of fills cannot tell (it came back with
+    /// them). Redis's `run_id` is new with every process; the last one seen
+    /// is kept in Redis itself, so a snapshot or a replica brings back an id
+    /// that is not its own, and a Redis that started empty holds none.
+    /// Answers whether it dropped every entry.
+    pub async fn drop_entries_of_another_run(&self) -> Result<bool, CacheError> {
+        let key = self.run_key();
+        let mut pipe = redis::pipe();
+        pipe.atomic().cmd("INFO").arg("server").cmd("GET").arg(&key);
+        let (info, seen): (String, Option<String>) = self
+            .within(|mut c| async move { pipe.query_async(&mut c).await })
+            .await?;
+        let run = info
+            .lines()
+            .find_map(|line| line.strip_prefix("run_id:"))
+            .map(str::trim)
+            .ok_or_else(|| CacheError::Answer("INFO server names no run_id".into()))?;
+        if seen.as_deref() == Some(run) {
+            return Ok(false);
+        }
+        let other = seen.is_some();
+        if other {
+            self.drop_every_entry().await?;
+        }
+        let record = redis::cmd("SET").arg(&key).arg(run).to_owned();
+        self.within(|mut c| async move { record.query_async::<()>(&mut c).await })
+            .await?;
+        Ok(other)
+    }
+
+    /// Where the `run_id` of the Redis process the entries were last
+    /// checked against is kept.
+    fn run_key(&self) -> String {
+        format!("{}:run", self.prefix)
+    }
+
+    /// Checks Redis's run (`drop_entries_of_another_run`) every second, for
+    /// as long as the process runs.
+    pub async fn keep_checking_runs(self) {
+        let mut tick = tokio::time::interval(RUN_CHECKED_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match self.drop_entries_of_another_run().await {
+                Ok(true) => tracing::warn!(
+                    "Redis came back holding entries of another process (a snapshot loaded, a replica promoted): dropped every entry; reads fill them from the durable totals"
+                ),
+                Ok(false) => {}
+                // Redis away: the owed drops and the next check see to it.
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not check which Redis process serves the cache")
+                }
+            }
         }
     }
 

@@ -188,6 +188,7 @@ pub async fn run(
     let positions = Positions::default();
     let lag_task = tokio::spawn(lag::report(source.clone(), positions.clone(), stop.clone()));
     let drops_task = tokio::spawn(cache.clone().keep_dropping_owed());
+    let runs_task = tokio::spawn(cache.clone().keep_checking_runs());
     tracing::info!(group = %config.group, topic = %config.stores.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let known = Known::default();
@@ -247,6 +248,7 @@ pub async fn run(
     lag_task.abort();
     ttl_task.abort();
     drops_task.abort();
+    runs_task.abort();
     cache.drop_owed_before_exit(LEAVE_BOUND).await;
     source.leave(LEAVE_BOUND).await;
     ops_handle.stop(true).await;

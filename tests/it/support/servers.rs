@@ -5,25 +5,51 @@
 pub struct PrivateRedis {
     pub port: u16,
     child: std::process::Child,
+    /// Where it keeps its snapshot, if it keeps one.
+    dir: Option<std::path::PathBuf>,
 }
 
 impl PrivateRedis {
     pub fn start(port: u16) -> PrivateRedis {
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        PrivateRedis::spawn(port, None)
+    }
+
+    /// One that writes its snapshot (on `SAVE`) in a directory of its own
+    /// and loads it when started again (`restart`).
+    pub fn start_keeping_snapshots(port: u16) -> PrivateRedis {
+        let dir = std::env::temp_dir().join(format!("tally-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        PrivateRedis::spawn(port, Some(dir))
+    }
+
+    fn spawn(port: u16, dir: Option<std::path::PathBuf>) -> PrivateRedis {
+        let mut command = std::process::Command::new("redis-server");
+        command.args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        if let Some(dir) = &dir {
+            command.arg("--dir").arg(dir);
+        }
+        let child = command
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("redis-server: {e}"));
-        PrivateRedis { port, child }
+        PrivateRedis { port, child, dir }
+    }
+
+    /// Kills it (kill -9) and starts it again on its port, from its last
+    /// snapshot if it keeps one.
+    pub fn restart(mut self) -> PrivateRedis {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        PrivateRedis::spawn(self.port, self.dir.take())
     }
 
     /// Freezes it (SIGSTOP): it keeps its connections and answers nothing.
@@ -51,6 +77,10 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         // A frozen process is killed just the same.
         let _ = self.child.kill();
+        if let Some(dir) = &self.dir {
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
