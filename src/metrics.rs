@@ -26,7 +26,7 @@ pub const CACHE_FILLS: &str = "tally_cache_fills_total";
 /// took, so they are not written.
 pub const CACHE_FILLS_FENCED: &str = "tally_cache_fills_fenced_total";
 /// Writes of a change to an entry that Redis answered with an error (out of
-/// memory, say), by step (vote, write_through, settle); each entry is then dropped.
+/// memory, say), by step (vote, write_through, settle, drop_behind); each entry is then dropped.
 pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
 /// Entries a write through or a settle could not reach (Redis did not
 /// answer), to be dropped once it does: each may serve older totals until then.
@@ -149,7 +149,7 @@ fn describe() {
     );
     describe_counter!(
         CACHE_WRITES_REFUSED,
-        "changes Redis refused to write to an entry, by step (vote, write_through, settle); the entry is dropped"
+        "changes Redis refused to write to an entry, by step (vote, write_through, settle, drop_behind); the entry is dropped"
     );
     describe_gauge!(
         CACHE_DROPS_OWED,

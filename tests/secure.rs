@@ -274,6 +274,14 @@ async fn tally_works_with_logins_and_tls_to_every_store_and_names_the_store_that
                 "{role} logged {k}"
             );
         }
+        // The ACL lets the consumer check which Redis process it writes to.
+        assert!(
+            !log.contains("Redis refused the check"),
+            "{role}: {}",
+            log.lines()
+                .find(|l| l.contains("Redis refused the check"))
+                .unwrap_or_default()
+        );
         let _ = std::fs::remove_file(log_of(role));
     }
     Ok(())

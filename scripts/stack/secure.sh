@@ -182,7 +182,7 @@ launch_secure_redis() {
         --tls-ca-cert-file "$SECURE/ca.pem" --tls-auth-clients no \
         --save "" --appendonly no --dir "$SECURE/redis" --logfile "$LOGS/redis.log" --daemonize no \
         --user default off \
-        --user tally on ">$REDIS_TALLY_PASSWORD" "~*" "&*" "+@all" "-@dangerous"
+        --user tally on ">$REDIS_TALLY_PASSWORD" "~*" "&*" "+@all" "-@dangerous" "+info"
 }
 
 # Once the servers answer: Cassandra's roles and Kafka's ACLs, once per

@@ -428,6 +428,9 @@ impl Application {
             body_timeout: config.body_timeout,
         });
 
+        // `POST /v1/admin/reconcile` writes through: what Redis does not take
+        // is owed a drop here as in the consumer.
+        tokio::spawn(cache.clone().keep_dropping_owed());
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
             cache,
             config.stores.kafka.clone(),

@@ -1028,15 +1028,22 @@ impl Cache {
     }
 
     fn owe(&self, target: &TargetId) {
-        if let Ok(mut owed) = self.owed.lock() {
-            owed.owe(self.key(target));
-            metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
-        }
+        let mut owed = self.owed();
+        owed.owe(self.key(target));
+        metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
+    }
+
+    /// The drops owed. A panic while another held them leaves them whole
+    /// (each change is one map operation), so they are used all the same.
+    fn owed(&self) -> std::sync::MutexGuard<'_, owed::Owed> {
+        self.owed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether any entry is owed a drop.
     pub fn owes_drops(&self) -> bool {
-        self.owed.lock().is_ok_and(|owed| owed.any())
+        self.owed().any()
     }
 
     /// Drops the entries owed a drop, as many as Redis takes now; on an
@@ -1044,20 +1051,16 @@ impl Cache {
     /// every entry counts as one).
     pub async fn drop_owed(&self) -> Result<usize, CacheError> {
         let mut dropped = 0;
-        let sweep = self.owed.lock().ok().and_then(|owed| owed.sweep_due());
+        let sweep = self.owed().sweep_due();
         if let Some(as_of) = sweep {
             self.drop_every_entry().await?;
-            if let Ok(mut owed) = self.owed.lock() {
-                owed.swept(as_of);
-            }
+            let mut owed = self.owed();
+            owed.swept(as_of);
+            metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
             dropped += 1;
         }
         loop {
-            let due = self
-                .owed
-                .lock()
-                .map(|owed| owed.due(DROPS_A_ROUND_TRIP))
-                .unwrap_or_default();
+            let due = self.owed().due(DROPS_A_ROUND_TRIP);
             if due.is_empty() {
                 return Ok(dropped);
             }
@@ -1068,10 +1071,9 @@ impl Cache {
             self.within(|mut c| async move { pipe.query_async::<()>(&mut c).await })
                 .await?;
             dropped += due.len();
-            if let Ok(mut owed) = self.owed.lock() {
-                owed.paid(&due);
-                metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
-            }
+            let mut owed = self.owed();
+            owed.paid(&due);
+            metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
         }
     }
 
@@ -1147,13 +1149,20 @@ impl Cache {
     pub async fn keep_checking_runs(self) {
         let mut tick = tokio::time::interval(RUN_CHECKED_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refused = false;
         loop {
             tick.tick().await;
             match self.drop_entries_of_another_run().await {
                 Ok(true) => tracing::warn!(
                     "Redis came back holding entries of another process (a snapshot loaded, a replica promoted): dropped every entry; reads fill them from the durable totals"
                 ),
-                Ok(false) => {}
+                Ok(false) => refused = false,
+                // A setting to fix (an ACL without INFO, say): said once.
+                Err(e) if e.answered_no() => {
+                    if !std::mem::replace(&mut refused, true) {
+                        tracing::warn!(error = %anyhow::Error::new(e), "Redis refused the check of which process serves the cache (INFO, SCAN, UNLINK): after a restart from a snapshot or a failover, entries may serve older totals until they expire");
+                    }
+                }
                 // Redis away: the owed drops and the next check see to it.
                 Err(e) => {
                     tracing::debug!(error = %e, "could not check which Redis process serves the cache")

@@ -249,8 +249,10 @@ pub async fn run(
     ttl_task.abort();
     drops_task.abort();
     runs_task.abort();
-    cache.drop_owed_before_exit(LEAVE_BOUND).await;
-    source.leave(LEAVE_BOUND).await;
+    tokio::join!(
+        cache.drop_owed_before_exit(LEAVE_BOUND),
+        source.leave(LEAVE_BOUND)
+    );
     ops_handle.stop(true).await;
     tracing::info!(
         processed = progress.processed.load(Ordering::Relaxed),
