@@ -1160,7 +1160,10 @@ impl Cache {
                 // A setting to fix (an ACL without INFO, say): said once.
                 Err(e) if e.answered_no() => {
                     if !std::mem::replace(&mut refused, true) {
-                        tracing::warn!(error = %anyhow::Error::new(e), "Redis refused the check of which process serves the cache (INFO, SCAN, UNLINK): after a restart from a snapshot or a failover, entries may serve older totals until they expire");
+                        tracing::warn!(
+                            error = format!("{:#}", anyhow::Error::new(e)),
+                            "Redis refused the check of which process serves the cache (INFO, SCAN, UNLINK): after a restart from a snapshot or a failover, entries may serve older totals until they expire"
+                        );
                     }
                 }
                 // Redis away: the owed drops and the next check see to it.
