@@ -226,8 +226,8 @@ impl CacheError {
 //                it with the entry, and with it any base a write through
 //                had put there; heads read before that write would serve
 //                the older base until the bucket's next write or the TTL
-// The consumer (and reconcile) write each durable write of a bucket through,
-// with its seq: that bucket's base becomes exact, the pending changes it now
+// The consumer (and reconcile) write each durable write of a bucket through
+// to its entry, if a fill has armed one, with its seq: that bucket's base becomes exact, the pending changes it now
 // includes go, and an older seq never overwrites a newer one. A read's miss
 // fills every bucket the same way, newer seq winning (an empty bucket by
 // `z`, at seq 0). So a served count is wrong at most until the consumer
@@ -401,18 +401,38 @@ return served(KEYS[1], names)
 /// failed (Redis down) left it. An entry still missing other buckets' bases
 /// keeps this one and serves nothing until a read fills the rest.
 /// Users counted ahead of their votes get a `c:` mark, so that a vote's
-/// change arriving later is not counted again.
+/// change arriving later is not counted again. An entry no fill has armed
+/// (none, or one holding marks alone) gets only the marks: the read or vote
+/// that fills it arms its fence first and then reads every bucket's head,
+/// this write's or newer. A base written there by a write through that
+/// arrived after a drop (one that had timed out, say) could be older than
+/// a write whose base the drop took, and in a one-bucket layout it would be
+/// complete and served until the TTL.
 /// ARGV: n, ttl, stale, buckets, n names, bucket, seq, n base, k, then k
 /// times user, version, state, then m, then m times user, version.
 const WRITE_THROUGH: &str = r"
 local n = tonumber(ARGV[1])
 local nb = tonumber(ARGV[4])
+local k = tonumber(ARGV[7 + 2 * n])
+local m_at = 8 + 2 * n + 3 * k
+local function mark(now)
+  for j = 0, tonumber(ARGV[m_at]) - 1 do
+    local at = m_at + 1 + 2 * j
+    redis.call('HSET', KEYS[1], 'c:' .. ARGV[at], ARGV[at + 1] .. '|' .. now)
+  end
+end
+if redis.call('HEXISTS', KEYS[1], 'g') == 0 then
+  if tonumber(ARGV[m_at]) > 0 then
+    mark(now_ms())
+    redis.call('EXPIRE', KEYS[1], ARGV[2])
+  end
+  return 0
+end
 local names = {}
 for i = 1, n do names[i] = ARGV[4 + i] end
 local base = {}
 for i = 1, n do base[i] = ARGV[6 + n + i] end
 local newer = set_base(KEYS[1], names, ARGV[5 + n], ARGV[6 + n], base)
-local k = tonumber(ARGV[7 + 2 * n])
 for j = 0, k - 1 do
   local at = 8 + 2 * n + 3 * j
   local field = 'p:' .. ARGV[at]
@@ -427,11 +447,7 @@ for j = 0, k - 1 do
   end
 end
 local now = now_ms()
-local m_at = 8 + 2 * n + 3 * k
-for j = 0, tonumber(ARGV[m_at]) - 1 do
-  local at = m_at + 1 + 2 * j
-  redis.call('HSET', KEYS[1], 'c:' .. ARGV[at], ARGV[at + 1] .. '|' .. now)
-end
+mark(now)
 recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if newer then return 1 end

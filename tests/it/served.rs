@@ -952,9 +952,16 @@ async fn more_entries_owed_a_drop_than_are_remembered_drop_every_entry_once_redi
         TargetId::parse("b")?,
         TargetId::parse("c")?,
     ];
+    let head = tally::store::stats::Head {
+        seq: Some(1),
+        totals: Totals::count([Reaction::Like]),
+        target_type: None,
+    };
     for target in &targets {
-        eventually("Redis to take a write", Duration::from_secs(10), || async {
-            cache.write_through(target, &written(1)).await.ok()
+        eventually("Redis to take a fill", Duration::from_secs(10), || async {
+            fill(&cache, target, &tally::store::stats::Heads(vec![head]))
+                .await
+                .ok()
         })
         .await;
     }
@@ -1132,5 +1139,86 @@ async fn a_redis_restarted_from_an_older_snapshot_serves_the_truth_soon_after() 
     .await;
     consumer.stop().await;
     assert_eq!(served_from_bases(2).await, Some(()));
+    Ok(())
+}
+
+/// A write through that finds no entry writes no base: the read or vote
+/// that fills the entry reads every bucket's head, this write's or newer,
+/// and a write through that arrived after a drop (one that had timed out)
+/// would otherwise make a one-bucket entry at a base older than the write
+/// the drop took. Reconcile's marks are still written, so a vote's late
+/// cache step is not counted on top of the fill.
+#[tokio::test]
+async fn a_write_through_that_finds_no_entry_writes_only_its_marks() -> TestResult {
+    use tally::cache::{Cache, Counted, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let pool = tally::cache::pool(&env.redis)?;
+    let mut conn = pool.get().await?;
+    let one = Layout::new(1)?;
+    let ann = UserId::parse("ann")?;
+    let users = [(
+        ann.clone(),
+        Applied {
+            version: 1,
+            state: Reaction::Like,
+        },
+    )];
+    let ahead = [(ann.clone(), 1)];
+    let written = |ahead| Written {
+        buckets: one,
+        bucket: Bucket::FIRST,
+        seq: 2,
+        totals: Totals::count([Reaction::Like]),
+        users: &users,
+        ahead,
+    };
+
+    let unmarked = TargetId::parse("unmarked")?;
+    cache.write_through(&unmarked, &written(&[])).await?;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(format!("{}:d:unmarked", env.redis.prefix))
+        .query_async(&mut conn)
+        .await?;
+    assert!(!exists, "no entry made for a base alone");
+
+    let marked = TargetId::parse("marked")?;
+    cache.write_through(&marked, &written(&ahead)).await?;
+    let key = format!("{}:d:marked", env.redis.prefix);
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    assert_eq!(fields, ["c:ann"], "only the mark");
+    // Nor does a write through that finds the marks alone.
+    cache.write_through(&marked, &written(&[])).await?;
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    assert_eq!(fields, ["c:ann"], "still only the mark");
+    let ttl: i64 = redis::cmd("TTL").arg(&key).query_async(&mut conn).await?;
+    assert!(ttl > 0, "the mark expires: {ttl}");
+    // ann's vote's cache step, late: it fills the entry from the heads,
+    // which count her, and finds her marked.
+    let change = first_like(&ann);
+    let Counted::NeedsHeads(fence) = cache
+        .apply(&marked, &change, one, None, cache.change_deadline())
+        .await?
+    else {
+        anyhow::bail!("an entry without a base asks for the heads");
+    };
+    let heads = Heads(vec![Head {
+        seq: Some(2),
+        totals: Totals::count([Reaction::Like]),
+        target_type: None,
+    }]);
+    cache
+        .apply(
+            &marked,
+            &change,
+            one,
+            Some((&fence, &heads)),
+            cache.change_deadline(),
+        )
+        .await?;
+    assert_eq!(served_likes(&cache, &marked).await?, Some(1));
     Ok(())
 }
