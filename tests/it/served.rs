@@ -469,7 +469,7 @@ async fn a_fill_writes_no_field_for_an_empty_bucket_and_its_first_write_still_co
     let pool = tally::cache::pool(&env.redis)?;
     let mut conn = pool.get().await?;
     let key = format!("{}:d:sparse", env.redis.prefix);
-    let mut fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    let mut fields = fields_of(&mut conn, &key).await?;
     fields.retain(|f| f.starts_with("s:"));
     fields.sort();
     assert_eq!(
@@ -572,11 +572,7 @@ async fn a_fill_read_before_a_drop_that_took_a_newer_write_is_not_written_after_
         Duration::from_secs(30),
         || async {
             let mut conn = pool.get().await.ok()?;
-            let fields: Vec<String> = redis::cmd("HKEYS")
-                .arg(&key)
-                .query_async(&mut conn)
-                .await
-                .ok()?;
+            let fields = fields_of(&mut conn, &key).await.ok()?;
             let pending = fields.iter().any(|f| f.starts_with("p:"));
             let served = served_likes(&cache, &target).await.ok()??;
             (served == 2 && !pending).then_some(())
@@ -754,6 +750,31 @@ async fn count_first_like(
     Ok(())
 }
 
+/// The API and the consumer, both on the Redis at `url`, each call to it
+/// bounded by `timeout`.
+async fn on_redis(
+    env: &TestEnv,
+    url: &str,
+    timeout: Duration,
+) -> (crate::support::TestApp, crate::support::RunningConsumer) {
+    let mut config = env.api_config();
+    config.stores.redis.url = url.to_owned();
+    config.stores.redis.timeout = timeout;
+    let app = env.spawn_app_with(config).await;
+    let mut consumer = env.consumer_config();
+    consumer.stores.redis.url = url.to_owned();
+    consumer.stores.redis.timeout = timeout;
+    (app, env.start_consumer_with(consumer))
+}
+
+/// The names of a cache entry's fields, as Redis holds them.
+async fn fields_of(
+    conn: &mut impl redis::aio::ConnectionLike,
+    key: &str,
+) -> redis::RedisResult<Vec<String>> {
+    redis::cmd("HKEYS").arg(key).query_async(conn).await
+}
+
 /// The likes an entry serves, if it serves any.
 async fn served_likes(
     cache: &tally::cache::Cache,
@@ -779,12 +800,7 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
-    let mut config = env.api_config();
-    config.stores.redis.url = url.clone();
-    let app = env.spawn_app_with(config).await;
-    let mut consumer = env.consumer_config();
-    consumer.stores.redis.url = url.clone();
-    let consumer = env.start_consumer_with(consumer);
+    let (app, consumer) = on_redis(&env, &url, env.redis.timeout).await;
     let served = async || {
         let summary = app.summary("reader", "full").await.json();
         serde_json::from_value::<Totals>(summary["items"]["full"].clone()).ok()
@@ -865,14 +881,7 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
-    let mut config = env.api_config();
-    config.stores.redis.url = url.clone();
-    config.stores.redis.timeout = Duration::from_millis(300);
-    let app = env.spawn_app_with(config).await;
-    let mut consumer = env.consumer_config();
-    consumer.stores.redis.url = url;
-    consumer.stores.redis.timeout = Duration::from_millis(300);
-    let consumer = env.start_consumer_with(consumer);
+    let (app, consumer) = on_redis(&env, &url, Duration::from_millis(300)).await;
     let served = async || {
         let summary = app.summary("reader", "frozen").await.json();
         serde_json::from_value::<Totals>(summary["items"]["frozen"].clone()).ok()
@@ -1066,12 +1075,7 @@ async fn a_redis_restarted_from_an_older_snapshot_serves_the_truth_soon_after() 
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start_keeping_snapshots(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
-    let mut config = env.api_config();
-    config.stores.redis.url = url.clone();
-    let app = env.spawn_app_with(config).await;
-    let mut consumer = env.consumer_config();
-    consumer.stores.redis.url = url.clone();
-    let consumer = env.start_consumer_with(consumer);
+    let (app, consumer) = on_redis(&env, &url, env.redis.timeout).await;
     let client = redis::Client::open(url.as_str())?;
     let entry = format!("{}:d:restored", env.redis.prefix);
     // Served, and held by the entry as its bases alone: every like written
@@ -1188,11 +1192,11 @@ async fn a_write_through_that_finds_no_entry_writes_only_its_marks() -> TestResu
     let marked = TargetId::parse("marked")?;
     cache.write_through(&marked, &written(&ahead)).await?;
     let key = format!("{}:d:marked", env.redis.prefix);
-    let fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    let fields = fields_of(&mut conn, &key).await?;
     assert_eq!(fields, ["c:ann"], "only the mark");
     // Nor does a write through that finds the marks alone.
     cache.write_through(&marked, &written(&[])).await?;
-    let fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+    let fields = fields_of(&mut conn, &key).await?;
     assert_eq!(fields, ["c:ann"], "still only the mark");
     let ttl: i64 = redis::cmd("TTL").arg(&key).query_async(&mut conn).await?;
     assert!(ttl > 0, "the mark expires: {ttl}");
