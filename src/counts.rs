@@ -142,9 +142,10 @@ impl Counts {
     /// before the change is published, and Redis refuses it once its
     /// deadline has passed, so the consumer's write of the same change can
     /// never land before it. A miss fills from the durable heads first,
-    /// under the entry's fence (see `Cache::apply`). A cache failure costs
-    /// freshness until the consumer's next write of the target, never the
-    /// vote.
+    /// under the entry's fence (see `Cache::apply`). A cache failure never
+    /// costs the vote: the entry is owed a drop, so that it is filled again
+    /// from the durable totals even if the consumer's write through of the
+    /// change fails as well and its process dies.
     pub async fn apply_committed(&self, target: &TargetId, change: &Pending<'_>) {
         // One deadline for the whole step, which Redis enforces too: after
         // it the change may be published, and the consumer's write of it may
@@ -183,13 +184,17 @@ impl Counts {
             // after the drops, and to the consumer's write of this change.
             Ok(())
         };
-        let result = tokio::time::timeout(self.cache.change_budget(), step)
-            .await
-            .unwrap_or(Err(crate::cache::CacheError::Timeout(
-                self.cache.change_budget(),
-            )));
+        let budget = self.cache.change_budget();
+        let result = match tokio::time::timeout(budget, step).await {
+            Ok(result) => result,
+            Err(_) => {
+                // Cut short, maybe with a Redis call in flight that may yet land.
+                self.cache.owe(target);
+                Err(crate::cache::CacheError::Timeout(budget))
+            }
+        };
         if let Err(e) = result {
-            tracing::warn!(target_id = %target, error = %e, "count cache not updated; the consumer's next write of this target corrects it");
+            tracing::warn!(target_id = %target, error = %e, "count cache not updated; the entry is dropped once Redis answers, and the consumer's write of this change corrects it");
         }
     }
 }

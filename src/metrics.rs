@@ -153,7 +153,7 @@ fn describe() {
     );
     describe_gauge!(
         CACHE_DROPS_OWED,
-        "cache entries a write through or settle could not reach, dropped once Redis answers; until then they may serve older totals"
+        "cache entries a vote's change, a write through or a settle could not reach, dropped once Redis answers; until then they may serve older totals"
     );
     describe_counter!(
         CAS,

@@ -37,7 +37,6 @@ use crate::relay::{Relay, RelayConfig};
 use crate::store::Store;
 use error::ApiError;
 
-/// Settings of `tally vote`.
 /// The longest a publish may wait for Kafka's acknowledgement: far past any
 /// outage a vote should wait out, and within librdkafka's 32-bit milliseconds.
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -48,6 +47,11 @@ const MOST_WORKERS: usize = 1_024;
 /// finishes in time, and within what a semaphore holds.
 const MOST_IN_FLIGHT: usize = 1_000_000;
 
+/// How long a stopping API waits for Redis to take the drops it owes:
+/// after it, nothing would send them.
+const DROPS_BEFORE_EXIT: Duration = Duration::from_secs(5);
+
+/// Settings of `tally vote`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ApiConfig {
     /// Address to listen on (port 0 picks a free port).
@@ -356,6 +360,7 @@ pub struct Application {
     ops_port: u16,
     server: Server,
     ops: Server,
+    cache: Cache,
 }
 
 impl Application {
@@ -428,11 +433,11 @@ impl Application {
             body_timeout: config.body_timeout,
         });
 
-        // `POST /v1/admin/reconcile` writes through: what Redis does not take
-        // is owed a drop here as in the consumer.
+        // A vote's cache step and `POST /v1/admin/reconcile`'s write through
+        // owe a drop where Redis did not take them, as in the consumer.
         tokio::spawn(cache.clone().keep_dropping_owed());
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
-            cache,
+            cache.clone(),
             config.stores.kafka.clone(),
             config.consumer_group.clone(),
         ));
@@ -500,6 +505,7 @@ impl Application {
             ops_port,
             server,
             ops,
+            cache,
         })
     }
 
@@ -512,12 +518,13 @@ impl Application {
         self.ops_port
     }
 
-    /// Serves until the API server stops (on a signal), then stops the
-    /// operator endpoints too.
+    /// Serves until the API server stops (on a signal), sends the drops it
+    /// owes, then stops the operator endpoints too.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let ops = self.ops.handle();
         let ops_task = tokio::spawn(self.ops);
         let served = self.server.await;
+        self.cache.drop_owed_before_exit(DROPS_BEFORE_EXIT).await;
         ops.stop(true).await;
         let _ = ops_task.await;
         served

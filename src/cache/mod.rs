@@ -594,7 +594,7 @@ pub struct Cache {
     drop_behind: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     timeout: Duration,
-    /// Entries a write through or a settle could not reach, shared by every
+    /// Entries a change, a write through or a settle could not reach, shared by every
     /// clone (see `owed`).
     owed: Arc<Mutex<owed::Owed>>,
 }
@@ -876,16 +876,13 @@ impl Cache {
             .await;
         let answer = match answer {
             Ok(a) => a,
-            Err(e) => {
-                // A change that timed out is left to the consumer's write
-                // through: Redis refuses it after its deadline.
-                self.drop_refused(target, "vote", &e).await;
-                return Err(e);
-            }
+            Err(e) => return Err(self.left_behind(target, "vote", e).await),
         };
         match answer {
             // Too late: Redis ran it after the vote gave up waiting.
-            redis::Value::Int(-1) => Err(CacheError::Timeout(self.timeout)),
+            redis::Value::Int(-1) => Err(self
+                .left_behind(target, "vote", CacheError::Timeout(self.timeout))
+                .await),
             redis::Value::Int(-2) => Ok(Counted::Dropped),
             redis::Value::BulkString(token) => Ok(Counted::NeedsHeads(Fence(
                 String::from_utf8(token).map_err(|e| CacheError::Answer(e.to_string()))?,
@@ -1026,11 +1023,13 @@ impl Cache {
         }
     }
 
-    /// After a write through or a settle failed: an entry Redis refused is
-    /// dropped at once, and one it did not answer for (or could not drop) is
-    /// owed a drop, sent once Redis answers (`drop_owed`). No later step
-    /// would fix that entry: the votes' changes are counted in it already,
-    /// and the bucket may see no other write before the TTL.
+    /// After a vote's change, a write through or a settle failed: an entry
+    /// Redis refused is dropped at once, and one it did not answer for (or
+    /// could not drop) is owed a drop, sent once Redis answers
+    /// (`drop_owed`). No later step may fix that entry before the TTL: the
+    /// consumer's write through is what fixes a vote's, and it may fail too
+    /// and its process die with its own drops owed; a write through's
+    /// changes are counted already, and the bucket may see no other write.
     async fn left_behind(
         &self,
         target: &TargetId,
@@ -1043,7 +1042,8 @@ impl Cache {
         error
     }
 
-    fn owe(&self, target: &TargetId) {
+    /// Owes `target`'s entry a drop: a change to it may have been lost.
+    pub fn owe(&self, target: &TargetId) {
         let mut owed = self.owed();
         owed.owe(self.key(target));
         metrics::gauge!(crate::metrics::CACHE_DROPS_OWED).set(owed.len() as f64);
@@ -1204,7 +1204,7 @@ impl Cache {
                 Ok(n) => {
                     tracing::info!(
                         dropped = n,
-                        "dropped cache entries that writes through could not reach; reads fill them from the durable totals"
+                        "dropped cache entries that changes could not reach; reads fill them from the durable totals"
                     )
                 }
                 // Redis still away: the next tick tries again.
@@ -1230,7 +1230,7 @@ impl Cache {
         let owed = self.owes_drops();
         if owed {
             tracing::warn!(
-                "cache entries that writes through could not reach were not dropped: they may serve older totals until they expire"
+                "cache entries that changes could not reach were not dropped: they may serve older totals until they expire"
             );
         }
         owed

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use tally::domain::{Reaction, Totals};
 
-use crate::support::{PrivateRedis, Rng, TestEnv, TestResult, eventually, free_port, new_key};
+use crate::support::{
+    PrivateRedis, Proc, Rng, TestEnv, TestResult, eventually, free_port, new_key,
+};
 
 const TARGETS: [&str; 4] = ["hot0", "hot1", "hot2", "hot3"];
 
@@ -882,11 +884,19 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
     let (app, consumer) = on_redis(&env, &url, Duration::from_millis(300)).await;
+    // The votes' cache steps go to a Redis of their own, so that only the
+    // consumer's drops can bring the served entry up to date: the vote API
+    // owes drops of its own for the steps a frozen Redis does not take (see
+    // `a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind`).
+    let elsewhere = PrivateRedis::start(free_port());
+    let mut config = env.api_config();
+    config.stores.redis.url = format!("redis://127.0.0.1:{}", elsewhere.port);
+    let voter = env.spawn_app_with(config).await;
     let served = async || {
         let summary = app.summary("reader", "frozen").await.json();
         serde_json::from_value::<Totals>(summary["items"]["frozen"].clone()).ok()
     };
-    let first = app.vote("ida", new_key(), "frozen", "like").await;
+    let first = voter.vote("ida", new_key(), "frozen", "like").await;
     assert_eq!(first.status, 200, "{}", first.body);
     let one_like = Totals::count([Reaction::Like]);
     eventually("the first like served", Duration::from_secs(30), || async {
@@ -895,12 +905,12 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
     .await;
 
     // Frozen, Redis holds the entry at one like and takes nothing: the
-    // votes' cache steps run out their deadlines, and so do the consumer's
-    // writes through of the dislikes it counts durably.
+    // consumer's writes through of the dislikes it counts durably run out
+    // their deadlines.
     redis.freeze();
     let voters = ["f1", "f2", "f3", "f4", "f5", "f6"];
     for user in voters {
-        let reply = app.vote(user, new_key(), "frozen", "dislike").await;
+        let reply = voter.vote(user, new_key(), "frozen", "dislike").await;
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
     env.wait_until_no_drift(Duration::from_secs(60)).await;
@@ -928,6 +938,94 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
         env.recount()
             .await
             .get("frozen")
+            .map(|t| t.totals)
+            .unwrap_or_default(),
+        truth
+    );
+    Ok(())
+}
+
+/// The consumer's drops owed live in its memory, and die with it. Here the
+/// votes' own cache steps and the consumer's writes through both time out
+/// on a frozen Redis, and the consumer is killed with -9 before Redis
+/// thaws: no write through will reach the entry it left at one like. The
+/// vote API owes a drop for every step Redis did not take, so the entry
+/// goes and the next read fills it from the durable totals, long before
+/// its TTL (60 s) would end it.
+#[tokio::test]
+async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let mut config = env.api_config();
+    config.stores.redis.url = url.clone();
+    config.stores.redis.timeout = Duration::from_millis(300);
+    let app = env.spawn_app_with(config).await;
+    let ops = free_port();
+    let mut consumer = Proc(
+        env.tally()
+            .arg("consumer")
+            .env("TALLY_REDIS_URL", &url)
+            .env("TALLY_REDIS_TIMEOUT", "300ms")
+            .env("TALLY_CONSUMER_LISTEN", format!("127.0.0.1:{ops}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    let owed = async || {
+        let metrics = app
+            .client
+            .get(format!("http://127.0.0.1:{ops}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        crate::ops::sample_sum(&metrics, "tally_cache_drops_owed", &[])
+    };
+    let served = async || {
+        let summary = app.summary("reader", "killed").await.json();
+        serde_json::from_value::<Totals>(summary["items"]["killed"].clone()).ok()
+    };
+    let first = app.vote("ida", new_key(), "killed", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let one_like = Totals::count([Reaction::Like]);
+    eventually("the first like served", Duration::from_secs(30), || async {
+        (served().await? == one_like).then_some(())
+    })
+    .await;
+
+    redis.freeze();
+    let voters = ["k1", "k2", "k3", "k4", "k5", "k6"];
+    for user in voters {
+        let reply = app.vote(user, new_key(), "killed", "dislike").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    eventually(
+        "the consumer to owe the entry a drop",
+        Duration::from_secs(60),
+        || async { owed().await.filter(|&n| n >= 1.0) },
+    )
+    .await;
+    consumer.kill9();
+    redis.thaw();
+
+    let truth = Totals::count(
+        std::iter::once(Reaction::Like).chain(voters.iter().map(|_| Reaction::Dislike)),
+    );
+    eventually(
+        "the served count to catch up with the durable one after the thaw",
+        Duration::from_secs(15),
+        || async { (served().await? == truth).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        env.recount()
+            .await
+            .get("killed")
             .map(|t| t.totals)
             .unwrap_or_default(),
         truth
