@@ -59,7 +59,8 @@ pub struct RedisConfig {
     pub tls_ca: Option<PathBuf>,
 
     /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
-    #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally")]
+    /// Not empty, and without `:d:` inside or `:d` at its end, where the keys name their kind.
+    #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally", value_parser = prefix_of_its_own)]
     pub prefix: String,
 
     /// Longest one cache operation may take, waiting for a connection
@@ -121,6 +122,24 @@ impl RedisConfig {
             redis::Client::build_with_tls(info, certificates).context("Bad Redis TLS settings")?;
         Ok(client.get_connection_info().clone())
     }
+}
+
+/// A key prefix whose keys no other deployment's sweep takes for its own.
+/// Entries are `PREFIX:d:TARGET`, and a sweep drops `PREFIX:d:*`, which
+/// would also take every key of a prefix that is `PREFIX:d` or begins with
+/// `PREFIX:d:`: such a prefix is refused, whatever shares the Redis.
+fn prefix_of_its_own(prefix: &str) -> Result<String, String> {
+    if prefix.is_empty() {
+        return Err("a prefix must not be empty".into());
+    }
+    if prefix.contains(":d:") || prefix.ends_with(":d") {
+        return Err(format!(
+            "{prefix:?} holds \":d:\" or ends in \":d\", which name the kind of a key: \
+             a deployment whose prefix is what comes before would drop this one's entries \
+             with its own"
+        ));
+    }
+    Ok(prefix.to_owned())
 }
 
 /// `text` matching itself only, in a Redis glob pattern.
@@ -1374,6 +1393,41 @@ impl TtlPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_prefix_taken_has_its_keys_in_another_ones_sweep() {
+        // Every string of up to six of the characters that matter.
+        let mut all = vec![String::new()];
+        for _ in 0..6 {
+            let longer: Vec<String> = all
+                .iter()
+                .filter(|s| s.len() == all.last().map_or(0, String::len))
+                .flat_map(|s| ["a", "d", ":"].map(|c| format!("{s}{c}")))
+                .collect();
+            all.extend(longer);
+        }
+        let taken: Vec<&String> = all
+            .iter()
+            .filter(|p| prefix_of_its_own(p).is_ok())
+            .collect();
+        assert!(taken.len() > 100, "{}", taken.len());
+        for &p in &taken {
+            let swept = format!("{p}:d:");
+            for &q in taken.iter().filter(|&&q| q != p) {
+                for key in [
+                    format!("{q}:d:t"),
+                    format!("{q}:run"),
+                    format!("{q}:daily:u:1"),
+                ] {
+                    assert!(!key.starts_with(&swept), "{p:?} sweeps {key:?} of {q:?}");
+                }
+            }
+        }
+        for refused in ["", "a:d", "a:d:b", ":d:", "tally:d"] {
+            assert!(prefix_of_its_own(refused).is_err(), "{refused:?}");
+        }
+        assert_eq!(prefix_of_its_own("prod:tally"), Ok("prod:tally".into()));
+    }
 
     #[test]
     fn a_prefix_matches_itself_only_in_a_scan_pattern() {

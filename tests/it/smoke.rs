@@ -229,6 +229,11 @@ fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
             &["consumer", "--write-parallelism", "0"],
             "--write-parallelism",
         ),
+        (
+            &["consumer", "--redis-prefix", "tally:d:eu"],
+            "--redis-prefix",
+        ),
+        (&["vote", "--redis-prefix", ""], "must not be empty"),
         (&["reconcile", "--all", "--rate", "inf"], "--rate"),
         (&["reconcile", "--all", "--rate", "1e-300"], "--rate"),
         (
