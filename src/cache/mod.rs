@@ -198,6 +198,12 @@ impl CacheError {
         matches!(self, CacheError::Redis(_)) && !self.spoils_connection()
     }
 
+    /// Whether Redis refused a command because its key holds another type
+    /// than the command's.
+    fn is_wrong_type(&self) -> bool {
+        matches!(self, CacheError::Redis(e) if e.code() == Some("WRONGTYPE"))
+    }
+
     /// Whether the connection it came on may be broken or stuck, and is
     /// better not used again.
     fn spoils_connection(&self) -> bool {
@@ -784,9 +790,16 @@ impl Cache {
             hget.arg("HGET").arg(key).arg("v");
             pipe.add_command(hget);
         }
-        let rows: Vec<Option<String>> = self
+        let rows: Vec<Option<String>> = match self
             .within(|mut c| async move { pipe.query_async(&mut c).await })
-            .await?;
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.drop_wrong_typed(targets.iter(), &e).await;
+                return Err(e);
+            }
+        };
         rows.iter()
             .map(|v| v.as_deref().map(served_totals).transpose())
             .collect()
@@ -812,10 +825,69 @@ impl Cache {
             pipe.cmd("EXPIRE").arg(&key).arg(ttl).arg("NX").ignore();
             pipe.cmd("HGET").arg(key).arg("g");
         }
-        let tokens: Vec<String> = self
+        let tokens: Vec<String> = match self
             .within(|mut c| async move { pipe.query_async(&mut c).await })
-            .await?;
+            .await
+        {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                self.drop_wrong_typed(targets.iter().copied(), &e).await;
+                return Err(e);
+            }
+        };
         Ok(tokens.into_iter().map(Fence).collect())
+    }
+
+    /// After a read of many entries failed because a key among them is not
+    /// a hash (`WRONGTYPE`: something else wrote under this prefix), drops
+    /// each such key. One such key fails every page that holds its id
+    /// whole, and its fills too, so those pages would read every id from
+    /// Cassandra until a vote on it dropped the key; entries are hashes
+    /// only, and a drop of one is always safe.
+    async fn drop_wrong_typed<'t>(
+        &self,
+        targets: impl Iterator<Item = &'t TargetId>,
+        error: &CacheError,
+    ) {
+        if !error.is_wrong_type() {
+            return;
+        }
+        let keys: Vec<String> = targets.map(|t| self.key(t)).collect();
+        let mut pipe = redis::Pipeline::with_capacity(keys.len());
+        for key in &keys {
+            pipe.cmd("TYPE").arg(key);
+        }
+        let kinds: Vec<String> = match self
+            .within(|mut c| async move { pipe.query_async(&mut c).await })
+            .await
+        {
+            Ok(kinds) => kinds,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not find the cache keys that are not entries");
+                return;
+            }
+        };
+        let mut unlink = redis::cmd("UNLINK");
+        let mut wrong = 0;
+        for (key, kind) in keys.iter().zip(&kinds) {
+            if !matches!(kind.as_str(), "hash" | "none") {
+                unlink.arg(key);
+                wrong += 1;
+            }
+        }
+        if wrong == 0 {
+            return;
+        }
+        match self
+            .within(|mut c| async move { unlink.query_async::<u64>(&mut c).await })
+            .await
+        {
+            Ok(n) => tracing::warn!(
+                dropped = n,
+                "dropped cache keys of this prefix that were not entries (not hashes)"
+            ),
+            Err(e) => tracing::warn!(error = %e, "could not drop cache keys that are not entries"),
+        }
     }
 
     /// Records the durable heads of every bucket (a newer seq wins) and

@@ -1033,6 +1033,57 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestR
     Ok(())
 }
 
+/// A key of the prefix that is not a hash (something else wrote it) made
+/// every read of a page holding its id fail whole, its fills too: each such
+/// page read all its ids from Cassandra, for as long as the key lived. The
+/// first page that meets it drops it, and the pages after it fill and hit.
+#[tokio::test]
+async fn a_key_that_is_not_an_entry_is_dropped_by_the_first_page_that_meets_it() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let mut conn = redis::Client::open(env.redis.url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let (junk, plain) = (
+        format!("{}:d:junk", env.redis.prefix),
+        format!("{}:d:plain", env.redis.prefix),
+    );
+    let _: () = redis::cmd("SET")
+        .arg(&junk)
+        .arg("not an entry")
+        .query_async(&mut conn)
+        .await?;
+
+    let nothing = Totals::default();
+    let page = async || {
+        let reply = app.summary("reader", "junk,plain").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let items = &reply.json()["items"];
+        for id in ["junk", "plain"] {
+            let totals: Totals = serde_json::from_value(items[id].clone())
+                .unwrap_or_else(|e| panic!("{id}: {e} in {}", reply.body));
+            assert_eq!(totals, nothing, "{id}");
+        }
+    };
+    page().await;
+    let kind = async |key: &str| -> redis::RedisResult<String> {
+        redis::cmd("TYPE")
+            .arg(key)
+            .query_async(&mut conn.clone())
+            .await
+    };
+    eventually(
+        "both ids of the page filled as entries",
+        Duration::from_secs(10),
+        || async {
+            page().await;
+            (kind(&junk).await.ok()? == "hash" && kind(&plain).await.ok()? == "hash").then_some(())
+        },
+    )
+    .await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn more_entries_owed_a_drop_than_are_remembered_drop_every_entry_once_redis_answers()
 -> TestResult {
