@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use crate::cache::{Cache, Written};
+use crate::cache::{Behind, Cache, Written};
 use crate::domain::{Applied, Bucket, Layout, TargetId, TargetType, Totals, UserId};
 use crate::store::stats::{FencedWrite, Head, ReadAt, Stats};
 use crate::store::{Cas, StoreError};
@@ -269,22 +269,18 @@ async fn settle(
     // writer without Redis, or one that died or timed out between the
     // two): an entry behind it would serve the older base until the
     // bucket's next write or the TTL. A dropped entry holds nothing to
-    // settle.
-    match cache.drop_if_behind(target, bucket, seq).await {
-        Ok(true) => return 0,
-        Ok(false) => {}
+    // settle. Replays after a rebalance settle round after round, and their
+    // changes are long gone from the cache: a Paxos read each would be
+    // wasted, so the same call asks whether the entry holds one. An entry
+    // Redis did not answer for is owed a drop, and then holds nothing either.
+    let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
+    match cache.drop_if_behind(target, bucket, seq, &users).await {
+        Ok(Behind::Pending) => {}
+        Ok(Behind::Dropped | Behind::Settled) => return 0,
         Err(e) => {
             tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable head");
             return 0;
         }
-    }
-    let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
-    // Replays after a rebalance settle round after round, and their
-    // changes are long gone from the cache: a Paxos read each would be
-    // wasted. An entry Redis did not answer for may hold one: the settle
-    // goes ahead, and owes the entry a drop if Redis still does not answer.
-    if users.is_empty() || !cache.any_pending(target, &users).await.unwrap_or(true) {
-        return 0;
     }
     match stats.head(target, bucket, ReadAt::Serial).await {
         Ok(again) if again.seq == head.seq => {}

@@ -507,14 +507,23 @@ return taken
 /// head a round read and found its events counted in: a write landed there
 /// that was never written through (its writer had no Redis, died between
 /// the two, or timed out and landed after all), or its write through is
-/// still on the way, and a drop is safe either way. No entry, no drop.
-/// ARGV: bucket, seq.
+/// still on the way, and a drop is safe either way. No entry, no drop. An
+/// entry kept is asked whether it holds a pending change of any of the
+/// round's users, which only a settle takes out.
+/// ARGV: bucket, seq, then the users.
+/// Returns 2 if it dropped the entry, 1 if it kept one holding such a
+/// change, 0 otherwise.
 const DROP_BEHIND: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
-if cur >= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
+if cur < tonumber(ARGV[2]) then
+  redis.call('DEL', KEYS[1])
+  return 2
+end
+for i = 3, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], 'p:' .. ARGV[i]) == 1 then return 1 end
+end
+return 0
 ";
 
 /// The names of the counted reactions, in `Totals` order.
@@ -578,6 +587,18 @@ pub enum Counted {
     /// The entry was dropped after the fence was armed: the heads read under
     /// it may predate a write whose base went with the drop.
     Dropped,
+}
+
+/// What a round that wrote nothing found in its target's entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Behind {
+    /// Its base of the bucket was older than the round's head: dropped.
+    Dropped,
+    /// Up to date, and holding a pending change of one of the round's
+    /// users, for a settle to take out.
+    Pending,
+    /// Up to date with nothing of theirs pending, or no entry at all.
+    Settled,
 }
 
 /// A change the vote path counts in the cache, ahead of the consumer.
@@ -1019,23 +1040,6 @@ impl Cache {
         }
     }
 
-    /// Whether the entry holds a pending change of any of `users`.
-    pub async fn any_pending(
-        &self,
-        target: &TargetId,
-        users: &[(&UserId, i64)],
-    ) -> Result<bool, CacheError> {
-        let mut hmget = redis::cmd("HMGET");
-        hmget.arg(self.key(target));
-        for (user, _) in users {
-            hmget.arg(format!("p:{}", user.as_str()));
-        }
-        let pending: Vec<Option<String>> = self
-            .within(|mut c| async move { hmget.query_async(&mut c).await })
-            .await?;
-        Ok(pending.iter().any(Option::is_some))
-    }
-
     /// Takes out the pending changes of `users` (each at most at its
     /// version) that `bucket`'s base counts, if the entry's base of it is at
     /// `seq` or newer: a durable round found those users counted at those
@@ -1068,21 +1072,29 @@ impl Cache {
     }
 
     /// Drops the entry if its base of `bucket` is older than `seq`, a head
-    /// a durable round read and wrote nothing after (see `DROP_BEHIND`);
-    /// answers whether it did. One Redis did not answer is owed a drop.
+    /// a durable round read and wrote nothing after, and otherwise answers
+    /// whether it holds a pending change of any of `users` (see
+    /// `DROP_BEHIND`): one round trip for every round that writes nothing.
+    /// One Redis did not answer is owed a drop.
     pub async fn drop_if_behind(
         &self,
         target: &TargetId,
         bucket: Bucket,
         seq: i64,
-    ) -> Result<bool, CacheError> {
+        users: &[(&UserId, i64)],
+    ) -> Result<Behind, CacheError> {
         let mut call = self.drop_behind.key(self.key(target));
         call.arg(bucket.index()).arg(seq);
-        let dropped: Result<i64, CacheError> = self
+        for (user, _) in users {
+            call.arg(user.as_str());
+        }
+        let answer: Result<i64, CacheError> = self
             .within(|mut c| async move { call.invoke_async(&mut c).await })
             .await;
-        match dropped {
-            Ok(n) => Ok(n == 1),
+        match answer {
+            Ok(2) => Ok(Behind::Dropped),
+            Ok(1) => Ok(Behind::Pending),
+            Ok(_) => Ok(Behind::Settled),
             Err(e) => Err(self.left_behind(target, "drop_behind", e).await),
         }
     }
