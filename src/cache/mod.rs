@@ -59,7 +59,7 @@ pub struct RedisConfig {
     pub tls_ca: Option<PathBuf>,
 
     /// Prefix of every cache key, so several deployments (or tests) can share a Redis.
-    /// Not empty, and without `:d:` inside or `:d` at its end, where the keys name their kind.
+    /// Not empty, and without `:d:` or `:daily:` inside or `:d` or `:daily` at its end, where the keys name their kind.
     #[arg(long = "redis-prefix", env = "TALLY_REDIS_PREFIX", default_value = "tally", value_parser = prefix_of_its_own)]
     pub prefix: String,
 
@@ -132,9 +132,13 @@ fn prefix_of_its_own(prefix: &str) -> Result<String, String> {
     if prefix.is_empty() {
         return Err("a prefix must not be empty".into());
     }
-    if prefix.contains(":d:") || prefix.ends_with(":d") {
+    // `d` for entries, `daily` for the votes a user cast today.
+    let names_a_kind = ["d", "daily"]
+        .iter()
+        .any(|kind| prefix.contains(&format!(":{kind}:")) || prefix.ends_with(&format!(":{kind}")));
+    if names_a_kind {
         return Err(format!(
-            "{prefix:?} holds \":d:\" or ends in \":d\", which name the kind of a key: \
+            "{prefix:?} holds \":d:\" or \":daily:\", or ends in \":d\" or \":daily\", which name the kind of a key: \
              a deployment whose prefix is what comes before would drop this one's entries \
              with its own"
         ));
@@ -1480,15 +1484,14 @@ mod tests {
 
     #[test]
     fn no_prefix_taken_has_its_keys_in_another_ones_sweep() {
-        // Every string of up to six of the characters that matter.
-        let mut all = vec![String::new()];
-        for _ in 0..6 {
-            let longer: Vec<String> = all
+        // Every string of up to five of the pieces that matter.
+        let (mut all, mut frontier) = (vec![String::new()], vec![String::new()]);
+        for _ in 0..5 {
+            frontier = frontier
                 .iter()
-                .filter(|s| s.len() == all.last().map_or(0, String::len))
-                .flat_map(|s| ["a", "d", ":"].map(|c| format!("{s}{c}")))
+                .flat_map(|s| ["a", "d", ":", "daily"].map(|c| format!("{s}{c}")))
                 .collect();
-            all.extend(longer);
+            all.extend(frontier.iter().cloned());
         }
         let taken: Vec<&String> = all
             .iter()
@@ -1502,12 +1505,21 @@ mod tests {
                     format!("{q}:d:t"),
                     format!("{q}:run"),
                     format!("{q}:daily:u:1"),
+                    format!("{q}:daily:d:1"),
                 ] {
                     assert!(!key.starts_with(&swept), "{p:?} sweeps {key:?} of {q:?}");
                 }
             }
         }
-        for refused in ["", "a:d", "a:d:b", ":d:", "tally:d"] {
+        for refused in [
+            "",
+            "a:d",
+            "a:d:b",
+            ":d:",
+            "tally:d",
+            "tally:daily",
+            "a:daily:b",
+        ] {
             assert!(prefix_of_its_own(refused).is_err(), "{refused:?}");
         }
         assert_eq!(prefix_of_its_own("prod:tally"), Ok("prod:tally".into()));
