@@ -125,9 +125,11 @@ impl RedisConfig {
 }
 
 /// A key prefix whose keys no other deployment's sweep takes for its own.
-/// Entries are `PREFIX:d:TARGET`, and a sweep drops `PREFIX:d:*`, which
-/// would also take every key of a prefix that is `PREFIX:d` or begins with
-/// `PREFIX:d:`: such a prefix is refused, whatever shares the Redis.
+/// Entries are `PREFIX:d:TARGET` and daily counters `PREFIX:daily:USER:DAY`,
+/// and a sweep drops `PREFIX:d:*`, which would also take every key of a
+/// prefix that is `PREFIX:d` or begins with `PREFIX:d:`, and the counters of
+/// users named `d...` of one that is `PREFIX:daily`: a prefix naming a kind
+/// so is refused, whatever shares the Redis.
 fn prefix_of_its_own(prefix: &str) -> Result<String, String> {
     if prefix.is_empty() {
         return Err("a prefix must not be empty".into());

@@ -924,6 +924,19 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
 
     // Well within the entry's TTL (60 s), which is what would end a base
     // left behind by the lost writes through.
+    serves_a_like_and_the_dislikes_after_the_thaw(&env, "frozen", &voters, served).await;
+    consumer.stop().await;
+    Ok(())
+}
+
+/// Polls for 15 s until `served` answers one like and a dislike of each
+/// voter, and checks that the durable recount of `target` says the same.
+async fn serves_a_like_and_the_dislikes_after_the_thaw(
+    env: &TestEnv,
+    target: &str,
+    voters: &[&str],
+    served: impl AsyncFn() -> Option<Totals>,
+) {
     let truth = Totals::count(
         std::iter::once(Reaction::Like).chain(voters.iter().map(|_| Reaction::Dislike)),
     );
@@ -933,16 +946,14 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
         || async { (served().await? == truth).then_some(()) },
     )
     .await;
-    consumer.stop().await;
     assert_eq!(
         env.recount()
             .await
-            .get("frozen")
+            .get(target)
             .map(|t| t.totals)
             .unwrap_or_default(),
         truth
     );
-    Ok(())
 }
 
 /// The consumer's drops owed live in its memory, and die with it. Here the
@@ -1012,24 +1023,7 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestR
     .await;
     consumer.kill9();
     redis.thaw();
-
-    let truth = Totals::count(
-        std::iter::once(Reaction::Like).chain(voters.iter().map(|_| Reaction::Dislike)),
-    );
-    eventually(
-        "the served count to catch up with the durable one after the thaw",
-        Duration::from_secs(15),
-        || async { (served().await? == truth).then_some(()) },
-    )
-    .await;
-    assert_eq!(
-        env.recount()
-            .await
-            .get("killed")
-            .map(|t| t.totals)
-            .unwrap_or_default(),
-        truth
-    );
+    serves_a_like_and_the_dislikes_after_the_thaw(&env, "killed", &voters, served).await;
     Ok(())
 }
 
