@@ -13,6 +13,9 @@ pub const VOTE_READ_SECONDS: &str = "tally_vote_read_seconds";
 /// Signal 3: consumer lag, per partition.
 pub const CONSUMER_LAG_MESSAGES: &str = "tally_consumer_lag_messages";
 pub const CONSUMER_LAG_SECONDS: &str = "tally_consumer_lag_seconds";
+/// Written batches whose offsets wait for the drops their writes through
+/// owe: the group's committed lag grows while this is above zero.
+pub const CONSUMER_BATCHES_HELD: &str = "tally_consumer_batches_held";
 /// Signal 3, seen from the vote API: the group's lag from committed offsets.
 pub const GROUP_LAG_MESSAGES: &str = "tally_consumer_group_lag_messages";
 pub const GROUP_LAG_SECONDS: &str = "tally_consumer_group_lag_seconds";
@@ -125,6 +128,10 @@ fn describe() {
         CONSUMER_LAG_SECONDS,
         Unit::Seconds,
         "age of the oldest unprocessed event, per partition"
+    );
+    describe_gauge!(
+        CONSUMER_BATCHES_HELD,
+        "written batches whose offsets wait until the cache drops they owe are sent; a consumer killed meanwhile leaves them to be replayed"
     );
     describe_gauge!(
         GROUP_LAG_MESSAGES,

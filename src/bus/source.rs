@@ -50,6 +50,30 @@ impl Received {
     }
 }
 
+/// Per partition, the offset after the last message of some messages: what
+/// storing them as processed stores.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Next(BTreeMap<i32, i64>);
+
+impl Next {
+    pub fn after(batch: &[Received]) -> Next {
+        let mut next = Next::default();
+        for m in batch {
+            let e = next.0.entry(m.partition).or_insert(0);
+            *e = (*e).max(m.offset + 1);
+        }
+        next
+    }
+
+    /// Takes in later messages' offsets: each partition's furthest.
+    pub fn merge(&mut self, later: Next) {
+        for (p, o) in later.0 {
+            let e = self.0.entry(p).or_insert(0);
+            *e = (*e).max(o);
+        }
+    }
+}
+
 /// What the broker gathers before it answers a fetch, unless the fetch's
 /// wait runs out first: about 200 transitions. With librdkafka's default of
 /// one byte, a broker under a steady stream of votes answers a fetch as soon
@@ -131,17 +155,12 @@ impl Source {
         batch
     }
 
-    /// Stores, per partition, the offset after the batch's last message.
-    /// Offsets of partitions revoked meanwhile are refused; their new owner
-    /// replays those messages, which the apply rule makes harmless.
-    pub fn store_offsets(&self, batch: &[Received]) {
-        let mut next: BTreeMap<i32, i64> = BTreeMap::new();
-        for m in batch {
-            let e = next.entry(m.partition).or_insert(0);
-            *e = (*e).max(m.offset + 1);
-        }
+    /// Stores these offsets. Offsets of partitions revoked meanwhile are
+    /// refused; their new owner replays those messages, which the apply
+    /// rule makes harmless.
+    pub fn store(&self, next: &Next) {
         let mut tpl = TopicPartitionList::new();
-        for (p, o) in next {
+        for (&p, &o) in &next.0 {
             if let Err(e) = tpl.add_partition_offset(&self.topic, p, Offset::Offset(o)) {
                 tracing::warn!(partition = p, error = %e, "offset not stored; it will be replayed");
             }

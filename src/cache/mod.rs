@@ -1171,6 +1171,17 @@ impl Cache {
         self.owed().any()
     }
 
+    /// A mark for every failure so far to owe a drop: `paid_through` says
+    /// when all of them are paid.
+    pub fn owed_mark(&self) -> u64 {
+        self.owed().last_failure()
+    }
+
+    /// Whether every drop owed for failures up to `mark` has been sent.
+    pub fn paid_through(&self, mark: u64) -> bool {
+        self.owed().paid_through(mark)
+    }
+
     /// Drops the entries owed a drop, as many as Redis takes now; on an
     /// error the rest stay owed. Answers how many were dropped (a sweep of
     /// every entry counts as one).

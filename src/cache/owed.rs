@@ -60,6 +60,19 @@ impl Owed {
         !self.keys.is_empty() || self.everything.is_some()
     }
 
+    /// The number of the last failure so far: what `paid_through` is asked
+    /// about once everything up to it should be paid.
+    pub fn last_failure(&self) -> u64 {
+        self.failures
+    }
+
+    /// Whether no failure numbered up to `mark` is still owed a drop. An
+    /// owed sweep holds every mark: it stands for failures it no longer
+    /// tells apart.
+    pub fn paid_through(&self, mark: u64) -> bool {
+        self.everything.is_none() && self.keys.values().all(|&failure| failure > mark)
+    }
+
     /// Keys owed, for the gauge: all the keys remembered, however many
     /// more an owed sweep stands for.
     pub fn len(&self) -> usize {
@@ -137,6 +150,39 @@ mod tests {
         assert_eq!(first.len(), 2);
         owed.paid(&first);
         assert_eq!(owed.len(), 3);
+    }
+
+    #[test]
+    fn a_mark_is_paid_once_every_failure_up_to_it_is() {
+        let mut owed = Owed::default();
+        assert!(owed.paid_through(owed.last_failure()), "nothing failed");
+        owed.owe("a".into());
+        let first = owed.last_failure();
+        owed.owe("b".into());
+        let second = owed.last_failure();
+        assert!(!owed.paid_through(first));
+        let due: Vec<_> = owed.due(10).into_iter().filter(|(k, _)| k == "a").collect();
+        owed.paid(&due);
+        assert!(owed.paid_through(first), "a is paid, b failed after");
+        assert!(!owed.paid_through(second));
+        // A key that fails again is owed for its later failure only.
+        owed.owe("b".into());
+        assert!(owed.paid_through(second));
+        assert!(!owed.paid_through(owed.last_failure()));
+    }
+
+    #[test]
+    fn an_owed_sweep_holds_every_mark_until_it_is_swept() {
+        let mut owed = Owed::with_most(1);
+        owed.owe("a".into());
+        owed.owe("b".into());
+        let mark = owed.last_failure();
+        assert!(!owed.paid_through(0) && !owed.paid_through(mark));
+        let Some(as_of) = owed.sweep_due() else {
+            panic!("a sweep owed")
+        };
+        owed.swept(as_of);
+        assert!(owed.paid_through(mark));
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! are grouped by bucket of a target, and each bucket gets one fenced write
 //! (see `fence`); buckets are written in parallel, so a target that gets
 //! most of the traffic is written by as many writers as it has buckets. Offsets are stored only after every write of the batch has
-//! landed; auto-commit then commits them. A crash anywhere replays from the
-//! last commit, and the replayed versions are dropped by the apply rule.
+//! landed, and the cache drops those writes owe are sent (see `held`);
+//! auto-commit then commits them. A crash anywhere replays from the last
+//! commit, and the replayed versions are dropped by the apply rule.
 //!
 //! Between batches the consumer remembers the seq and totals it last left
 //! each bucket at. When a bucket's events arrive in order, as they do
@@ -18,6 +19,7 @@
 //! not written yet is learnt before the batch's writes: the heads of all of
 //! a target's unknown buckets in one read.
 
+mod held;
 mod lag;
 
 use std::collections::HashMap;
@@ -31,7 +33,7 @@ use tokio::sync::watch;
 use crate::bus::dead_letter::DeadLetters;
 use crate::bus::lag::Positions;
 use crate::bus::signature::EventKey;
-use crate::bus::source::{Received, Source};
+use crate::bus::source::{Next, Received, Source};
 use crate::cache::{Cache, TtlPolicy};
 use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Transition, UserId};
 use crate::fence::{self, Ending, Fold, Left, MAX_USERS_PER_WRITE, Read, Step};
@@ -110,7 +112,8 @@ pub struct ConsumerConfig {
 /// Running counts, shared with tests, metrics and the lag reporter.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// Messages whose offsets were stored (applied, replayed or dead-lettered).
+    /// Messages written (applied, replayed or dead-lettered); their offsets
+    /// are stored then, or once the cache drops their writes owe are sent.
     pub processed: AtomicU64,
     pub dead_lettered: AtomicU64,
     /// Events dead-lettered because their bucket's writes kept failing.
@@ -189,6 +192,8 @@ pub async fn run(
     let lag_task = tokio::spawn(lag::report(source.clone(), positions.clone(), stop.clone()));
     let drops_task = tokio::spawn(cache.clone().keep_dropping_owed());
     let runs_task = tokio::spawn(cache.clone().keep_checking_runs());
+    let held = Arc::new(held::Held::default());
+    let release_task = tokio::spawn(held.clone().keep_releasing(cache.clone(), source.clone()));
     tracing::info!(group = %config.group, topic = %config.stores.kafka.topic, mode = ?config.mode, "tally consumer started");
 
     let known = Known::default();
@@ -232,7 +237,8 @@ pub async fn run(
         };
         match written {
             Ok(()) => {
-                source.store_offsets(&batch);
+                held.written(cache.owed_mark(), Next::after(&batch));
+                held.release_paid(&cache, &source);
                 positions.advance(&batch);
                 // Batches first: whoever sees the messages processed sees
                 // their batch counted.
@@ -249,10 +255,12 @@ pub async fn run(
     ttl_task.abort();
     drops_task.abort();
     runs_task.abort();
-    tokio::join!(
-        cache.drop_owed_before_exit(LEAVE_BOUND),
-        source.leave(LEAVE_BOUND)
-    );
+    release_task.abort();
+    // The drops first: the batches they hold are stored once they are sent,
+    // and committed by the leave.
+    cache.drop_owed_before_exit(LEAVE_BOUND).await;
+    held.release_paid(&cache, &source);
+    source.leave(LEAVE_BOUND).await;
     ops_handle.stop(true).await;
     tracing::info!(
         processed = progress.processed.load(Ordering::Relaxed),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tally::domain::{Reaction, Totals};
 
 use crate::support::{
-    PrivateRedis, Proc, Rng, TestEnv, TestResult, eventually, free_port, new_key,
+    PrivateRedis, Proc, Rng, TestEnv, TestResult, eventually, free_port, new_key, signal,
 };
 
 const TARGETS: [&str; 4] = ["hot0", "hot1", "hot2", "hot3"];
@@ -956,6 +956,65 @@ async fn serves_a_like_and_the_dislikes_after_the_thaw(
     );
 }
 
+/// The vote API on `redis`, whose calls there time out after 300 ms, and
+/// that Redis's URL.
+async fn api_on_redis_of_its_own(
+    env: &TestEnv,
+    redis: &PrivateRedis,
+) -> (crate::support::TestApp, String) {
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let mut config = env.api_config();
+    config.stores.redis.url = url.clone();
+    config.stores.redis.timeout = Duration::from_millis(300);
+    (env.spawn_app_with(config).await, url)
+}
+
+/// `tally consumer` as a process of the test's on the Redis at `url` (its
+/// calls time out after 300 ms), serving its /metrics on `ops`.
+fn consumer_process(env: &TestEnv, url: &str, ops: u16) -> std::io::Result<Proc> {
+    Ok(Proc(
+        env.tally()
+            .arg("consumer")
+            .env("TALLY_REDIS_URL", url)
+            .env("TALLY_REDIS_TIMEOUT", "300ms")
+            .env("TALLY_CONSUMER_LISTEN", format!("127.0.0.1:{ops}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    ))
+}
+
+/// Ida likes `target`; returns once it is counted durably and `served`.
+async fn a_like_counted_and_served(
+    env: &TestEnv,
+    app: &crate::support::TestApp,
+    target: &str,
+    served: &impl AsyncFn() -> Option<Totals>,
+) {
+    let reply = app.vote("ida", new_key(), target, "like").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let one_like = Totals::count([Reaction::Like]);
+    eventually("the first like served", Duration::from_secs(30), || async {
+        (served().await? == one_like).then_some(())
+    })
+    .await;
+}
+
+/// The sum of a metric's samples on the /metrics served on `ops`, if it
+/// answers and has them.
+async fn metric_at(client: &reqwest::Client, ops: u16, name: &str) -> Option<f64> {
+    let metrics = client
+        .get(format!("http://127.0.0.1:{ops}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    crate::ops::sample_sum(&metrics, name, &[])
+}
+
 /// The consumer's drops owed live in its memory, and die with it. Here the
 /// votes' own cache steps and the consumer's writes through both time out
 /// on a frozen Redis, and the consumer is killed with -9 before Redis
@@ -967,46 +1026,15 @@ async fn serves_a_like_and_the_dislikes_after_the_thaw(
 async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestResult {
     let env = TestEnv::new().await;
     let redis = PrivateRedis::start(free_port());
-    let url = format!("redis://127.0.0.1:{}", redis.port);
-    let mut config = env.api_config();
-    config.stores.redis.url = url.clone();
-    config.stores.redis.timeout = Duration::from_millis(300);
-    let app = env.spawn_app_with(config).await;
+    let (app, url) = api_on_redis_of_its_own(&env, &redis).await;
     let ops = free_port();
-    let mut consumer = Proc(
-        env.tally()
-            .arg("consumer")
-            .env("TALLY_REDIS_URL", &url)
-            .env("TALLY_REDIS_TIMEOUT", "300ms")
-            .env("TALLY_CONSUMER_LISTEN", format!("127.0.0.1:{ops}"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()?,
-    );
-    let owed = async || {
-        let metrics = app
-            .client
-            .get(format!("http://127.0.0.1:{ops}/metrics"))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        crate::ops::sample_sum(&metrics, "tally_cache_drops_owed", &[])
-    };
+    let mut consumer = consumer_process(&env, &url, ops)?;
+    let owed = async || metric_at(&app.client, ops, "tally_cache_drops_owed").await;
     let served = async || {
         let summary = app.summary("reader", "killed").await.json();
         serde_json::from_value::<Totals>(summary["items"]["killed"].clone()).ok()
     };
-    let first = app.vote("ida", new_key(), "killed", "like").await;
-    assert_eq!(first.status, 200, "{}", first.body);
-    env.wait_until_no_drift(Duration::from_secs(60)).await;
-    let one_like = Totals::count([Reaction::Like]);
-    eventually("the first like served", Duration::from_secs(30), || async {
-        (served().await? == one_like).then_some(())
-    })
-    .await;
+    a_like_counted_and_served(&env, &app, "killed", &served).await;
 
     redis.freeze();
     let voters = ["k1", "k2", "k3", "k4", "k5", "k6"];
@@ -1024,6 +1052,97 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestR
     consumer.kill9();
     redis.thaw();
     serves_a_like_and_the_dislikes_after_the_thaw(&env, "killed", &voters, served).await;
+    Ok(())
+}
+
+/// Votes whose cache steps land leave pending changes in the entry, until
+/// the consumer's write through takes them into its base. Here the
+/// consumer's write through times out on a frozen Redis, and the consumer is
+/// killed with -9 while it owes the entry a drop; the API owes none, since
+/// its steps landed. The entry then holds a base without the dislikes and
+/// the dislikes pending: right, until the bucket's next write through gives
+/// it a base that counts them while they are still pending. The consumer
+/// stores a batch's offsets only once the drops its writes owe are sent, so
+/// the next consumer counts the dislikes again, finds them counted, and
+/// drops the entry behind the head or takes out what it counts.
+#[tokio::test]
+async fn a_consumer_killed_while_it_owes_drops_leaves_its_batch_to_be_replayed() -> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let (app, url) = api_on_redis_of_its_own(&env, &redis).await;
+    let ops = free_port();
+    let mut first = consumer_process(&env, &url, ops)?;
+    let metric = async |name: &str| metric_at(&app.client, ops, name).await;
+    let served = async || {
+        let summary = app.summary("reader", "replayed").await.json();
+        serde_json::from_value::<Totals>(summary["items"]["replayed"].clone()).ok()
+    };
+    a_like_counted_and_served(&env, &app, "replayed", &served).await;
+
+    // The dislikes' cache steps land while the consumer cannot count them.
+    assert!(
+        signal("-STOP", first.0.id()),
+        "could not pause the consumer"
+    );
+    let voters = ["r1", "r2", "r3", "r4", "r5", "r6"];
+    for user in voters {
+        let reply = app.vote(user, new_key(), "replayed", "dislike").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let pending = Totals::count(
+        std::iter::once(Reaction::Like).chain(voters.iter().map(|_| Reaction::Dislike)),
+    );
+    assert_eq!(served().await, Some(pending), "the steps landed");
+    redis.freeze();
+    assert!(
+        signal("-CONT", first.0.id()),
+        "could not resume the consumer"
+    );
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    eventually(
+        "the consumer to owe the entry a drop",
+        Duration::from_secs(60),
+        || async { metric("tally_cache_drops_owed").await.filter(|&n| n >= 1.0) },
+    )
+    .await;
+    // The dislikes' offsets are decided: committed (the group's lag is
+    // nothing) or held for the drop.
+    let (kafka, group) = (env.kafka.clone(), env.group.clone());
+    eventually(
+        "the group to commit the dislikes or the consumer to hold them",
+        Duration::from_secs(30),
+        || {
+            let (kafka, group) = (kafka.clone(), group.clone());
+            async move {
+                let committed =
+                    tokio::task::spawn_blocking(move || tally::bus::lag::group_lag(&kafka, &group))
+                        .await
+                        .ok()?
+                        .is_ok_and(|lags| lags.iter().all(|l| l.messages == 0));
+                let held = metric("tally_consumer_batches_held")
+                    .await
+                    .is_some_and(|n| n >= 1.0);
+                (committed || held).then_some(())
+            }
+        },
+    )
+    .await;
+    first.kill9();
+    redis.thaw();
+
+    // The next consumer, and a later dislike in r1's bucket: its write
+    // through gives that bucket's base every dislike of the bucket.
+    let _next = consumer_process(&env, &url, free_port())?;
+    let late = (0..)
+        .map(|i| format!("late{i}"))
+        .find(|u| env.place_of(u).0 == env.place_of("r1").0)
+        .unwrap_or_default();
+    let reply = app.vote(&late, new_key(), "replayed", "dislike").await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    let mut voters = voters.to_vec();
+    voters.push(&late);
+    serves_a_like_and_the_dislikes_after_the_thaw(&env, "replayed", &voters, served).await;
     Ok(())
 }
 
