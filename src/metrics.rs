@@ -31,8 +31,9 @@ pub const CACHE_FILLS_FENCED: &str = "tally_cache_fills_fenced_total";
 /// Writes of a change to an entry that Redis answered with an error (out of
 /// memory, say), by step (vote, write_through, settle, drop_behind); each entry is then dropped.
 pub const CACHE_WRITES_REFUSED: &str = "tally_cache_writes_refused_total";
-/// Entries a write through or a settle could not reach (Redis did not
-/// answer), to be dropped once it does: each may serve older totals until then.
+/// Entries a vote's change, a write through, a settle or a check against
+/// the head could not reach (Redis did not answer), to be dropped once it
+/// does: each may serve older totals until then.
 pub const CACHE_DROPS_OWED: &str = "tally_cache_drops_owed";
 /// Signal 5: conditional writes, by statement (vote, stats) and outcome
 /// (applied, not_applied, unknown, failed).
@@ -160,7 +161,7 @@ fn describe() {
     );
     describe_gauge!(
         CACHE_DROPS_OWED,
-        "cache entries a vote's change, a write through or a settle could not reach, dropped once Redis answers; until then they may serve older totals"
+        "cache entries a vote's change, a write through, a settle or a check against the durable head could not reach, dropped once Redis answers; until then they may serve older totals"
     );
     describe_counter!(
         CAS,

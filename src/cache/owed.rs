@@ -1,7 +1,8 @@
-//! The entries the cache owes a drop. A write through or a settle that Redis
-//! did not answer (a timeout, a lost connection) may leave its entry serving
-//! a base older than the durable totals, or a pending change the base
-//! already counts, and nothing else brings that entry up to date before the
+//! The entries the cache owes a drop. A vote's change, a write through, a
+//! settle or a check against the head (`DROP_BEHIND`) that Redis did not
+//! answer (a timeout, a lost connection) may leave its entry serving a base
+//! older than the durable totals, or a pending change the base already
+//! counts, and nothing else brings that entry up to date before the
 //! bucket's next write or the TTL. A drop is always safe (every fill is
 //! fenced), and the next read fills the entry from the durable totals, so
 //! each such entry is dropped once Redis answers again.
