@@ -13,8 +13,9 @@ pub const VOTE_READ_SECONDS: &str = "tally_vote_read_seconds";
 /// Signal 3: consumer lag, per partition.
 pub const CONSUMER_LAG_MESSAGES: &str = "tally_consumer_lag_messages";
 pub const CONSUMER_LAG_SECONDS: &str = "tally_consumer_lag_seconds";
-/// Written batches whose offsets wait for the drops their writes through
-/// owe: the group's committed lag grows while this is above zero.
+/// Written batches whose offsets wait for the cache drops they owe (batches
+/// that owe the same drops count as one, and past 1,000 every newer batch
+/// joins the last): the group's committed lag grows while this is above zero.
 pub const CONSUMER_BATCHES_HELD: &str = "tally_consumer_batches_held";
 /// Signal 3, seen from the vote API: the group's lag from committed offsets.
 pub const GROUP_LAG_MESSAGES: &str = "tally_consumer_group_lag_messages";
@@ -132,7 +133,7 @@ fn describe() {
     );
     describe_gauge!(
         CONSUMER_BATCHES_HELD,
-        "written batches whose offsets wait until the cache drops they owe are sent; a consumer killed meanwhile leaves them to be replayed"
+        "written batches whose offsets wait until the cache drops they owe are sent (those owing the same drops count as one, at most 1000); a consumer killed meanwhile leaves them to be replayed"
     );
     describe_gauge!(
         GROUP_LAG_MESSAGES,

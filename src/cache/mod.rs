@@ -1315,6 +1315,7 @@ impl Cache {
     pub async fn keep_dropping_owed(self) {
         let mut tick = tokio::time::interval(DROPS_OWED_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refused = false;
         loop {
             tick.tick().await;
             if !self.owes_drops() {
@@ -1322,10 +1323,22 @@ impl Cache {
             }
             match self.drop_owed().await {
                 Ok(n) => {
+                    refused = false;
                     tracing::info!(
                         dropped = n,
                         "dropped cache entries that changes could not reach; reads fill them from the durable totals"
                     )
+                }
+                // A setting to fix (an ACL without DEL, SCAN or UNLINK, say),
+                // or a Redis still loading: said once, tried again each tick.
+                // The consumer holds the offsets of the batches that owe them.
+                Err(e) if e.answered_no() => {
+                    if !std::mem::replace(&mut refused, true) {
+                        tracing::warn!(
+                            error = format!("{:#}", anyhow::Error::new(e)),
+                            "Redis refuses the drops of cache entries that changes could not reach; they stay owed, and a consumer holds the offsets of the batches that owe them, until Redis takes them"
+                        );
+                    }
                 }
                 // Redis still away: the next tick tries again.
                 Err(e) => {

@@ -21,12 +21,21 @@ pub const MOST_OWED: usize = 100_000;
 /// the failed write may have been sent after the drop.
 #[derive(Debug)]
 pub struct Owed {
-    keys: HashMap<String, u64>,
+    keys: HashMap<String, Unpaid>,
     failures: u64,
     most: usize,
     /// Set when a key did not fit: every entry is owed a drop, for the
     /// failures up to this one.
     everything: Option<u64>,
+}
+
+/// One key's failures not yet paid for by a drop: numbered from `first` to
+/// `last`. `first` is what `paid_through` asks about: a key that fails again
+/// is still owed for its earlier failure, whose batch must wait as well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Unpaid {
+    first: u64,
+    last: u64,
 }
 
 impl Default for Owed {
@@ -49,8 +58,17 @@ impl Owed {
     /// A write to `key` failed without an answer.
     pub fn owe(&mut self, key: String) {
         self.failures += 1;
-        if self.keys.len() < self.most || self.keys.contains_key(&key) {
-            self.keys.insert(key, self.failures);
+        let failure = self.failures;
+        if let Some(unpaid) = self.keys.get_mut(&key) {
+            unpaid.last = failure;
+        } else if self.keys.len() < self.most {
+            self.keys.insert(
+                key,
+                Unpaid {
+                    first: failure,
+                    last: failure,
+                },
+            );
         } else {
             self.everything = Some(self.failures);
         }
@@ -71,7 +89,7 @@ impl Owed {
     /// owed sweep holds every mark: it stands for failures it no longer
     /// tells apart.
     pub fn paid_through(&self, mark: u64) -> bool {
-        self.everything.is_none() && self.keys.values().all(|&failure| failure > mark)
+        self.everything.is_none() && self.keys.values().all(|unpaid| unpaid.first > mark)
     }
 
     /// Keys owed, for the gauge: all the keys remembered, however many
@@ -89,7 +107,10 @@ impl Owed {
     /// Every entry was dropped by a sweep that started after failure
     /// `as_of`: forgives everything owed up to it.
     pub fn swept(&mut self, as_of: u64) {
-        self.keys.retain(|_, failure| *failure > as_of);
+        self.keys.retain(|_, unpaid| unpaid.last > as_of);
+        for unpaid in self.keys.values_mut() {
+            unpaid.first = unpaid.first.max(as_of + 1);
+        }
         if self.everything.is_some_and(|failure| failure <= as_of) {
             self.everything = None;
         }
@@ -100,16 +121,21 @@ impl Owed {
         self.keys
             .iter()
             .take(n)
-            .map(|(key, failure)| (key.clone(), *failure))
+            .map(|(key, unpaid)| (key.clone(), unpaid.last))
             .collect()
     }
 
     /// These keys were dropped: each is forgiven unless it failed again
-    /// since it was handed out.
+    /// since it was handed out, and then still for the failures up to the
+    /// one it was handed out for.
     pub fn paid(&mut self, dropped: &[(String, u64)]) {
         for (key, failure) in dropped {
-            if self.keys.get(key) == Some(failure) {
-                self.keys.remove(key);
+            match self.keys.get_mut(key) {
+                Some(unpaid) if unpaid.last == *failure => {
+                    self.keys.remove(key);
+                }
+                Some(unpaid) => unpaid.first = unpaid.first.max(failure + 1),
+                None => {}
             }
         }
     }
@@ -166,10 +192,16 @@ mod tests {
         owed.paid(&due);
         assert!(owed.paid_through(first), "a is paid, b failed after");
         assert!(!owed.paid_through(second));
-        // A key that fails again is owed for its later failure only.
+        // A key that fails again is still owed for its earlier failure.
         owed.owe("b".into());
-        assert!(owed.paid_through(second));
-        assert!(!owed.paid_through(owed.last_failure()));
+        assert!(!owed.paid_through(second));
+        let handed = owed.due(10);
+        owed.owe("b".into());
+        owed.paid(&handed);
+        assert!(owed.paid_through(handed[0].1), "paid up to the drop");
+        assert!(!owed.paid_through(owed.last_failure()), "failed after it");
+        owed.paid(&owed.due(10));
+        assert!(owed.paid_through(owed.last_failure()));
     }
 
     #[test]
@@ -219,5 +251,20 @@ mod tests {
             owed.sweep_due().is_some(),
             "c failed after the sweep started"
         );
+    }
+
+    #[test]
+    fn a_sweep_pays_a_key_up_to_where_it_started() {
+        let mut owed = Owed::with_most(2);
+        owed.owe("a".into());
+        owed.owe("b".into());
+        owed.owe("c".into());
+        let Some(as_of) = owed.sweep_due() else {
+            panic!("a sweep owed")
+        };
+        owed.owe("a".into());
+        owed.swept(as_of);
+        assert!(owed.paid_through(as_of), "a's first failure was swept");
+        assert!(!owed.paid_through(owed.last_failure()), "not its second");
     }
 }
