@@ -57,6 +57,12 @@ pub struct Status {
     pub lag: Vec<Lag>,
     pub outbox_backlog: f64,
     pub outbox_oldest_seconds: f64,
+    /// Cache entries owed a drop (Redis did not take a change to them), by
+    /// the API and by the consumer, and the consumer's written batches
+    /// whose offsets wait for those drops: the group's lag grows meanwhile.
+    pub drops_owed_api: f64,
+    pub drops_owed_consumer: f64,
+    pub batches_held: f64,
     /// Hits over hits and misses since the API started; `None` before any lookup.
     pub cache_hit_ratio: Option<f64>,
     pub cas_not_applied: f64,
@@ -160,6 +166,9 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Sta
         lag,
         outbox_backlog: vote.sum("tally_outbox_backlog", &[]),
         outbox_oldest_seconds: vote.sum("tally_outbox_oldest_seconds", &[]),
+        drops_owed_api: vote.sum("tally_cache_drops_owed", &[]),
+        drops_owed_consumer: consumer.sum("tally_cache_drops_owed", &[]),
+        batches_held: consumer.sum("tally_consumer_batches_held", &[]),
         cache_hit_ratio: (hits + misses > 0.0).then(|| hits / (hits + misses)),
         cas_not_applied: cas("not_applied"),
         cas_unknown: cas("unknown"),
@@ -332,6 +341,14 @@ pub fn screen(s: &Status, colour: bool) -> String {
         format!(
             "{:.0} unresolved, oldest {:.0} s",
             s.outbox_backlog, s.outbox_oldest_seconds
+        ),
+    );
+    line(
+        "cache drops owed",
+        s.drops_owed_api + s.drops_owed_consumer + s.batches_held > 0.0,
+        format!(
+            "{:.0} by the API, {:.0} by the consumer, {:.0} batches held for them",
+            s.drops_owed_api, s.drops_owed_consumer, s.batches_held
         ),
     );
     line(

@@ -304,6 +304,17 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
     assert_eq!(num("mismatched"), checked("row_bad_signature"));
     assert_eq!(num("checked_by_row"), checked("row_bad_signature"));
     assert_eq!(num("checked_by_signature"), 0.0);
+    // Redis answered throughout: nothing owed, no offsets held.
+    assert_eq!(
+        num("drops_owed_consumer"),
+        sample_sum(&consumer, "tally_cache_drops_owed", &[]).unwrap_or(0.0)
+    );
+    assert_eq!(num("drops_owed_consumer"), 0.0, "{status}");
+    assert_eq!(num("batches_held"), 0.0, "{status}");
+    assert_eq!(
+        num("batches_held"),
+        sample_sum(&consumer, "tally_consumer_batches_held", &[]).unwrap_or(0.0)
+    );
     assert_eq!(num("votes_per_sec"), 0.0, "nothing voted during its reads");
     let lag = status["lag"].as_array().cloned().unwrap_or_default();
     assert_eq!(

@@ -1106,24 +1106,24 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_its_batch_to_be_replayed()
     )
     .await;
     // The dislikes' offsets are decided: committed (the group's lag is
-    // nothing) or held for the drop.
-    let (kafka, group) = (env.kafka.clone(), env.group.clone());
+    // nothing) or held for the drop, as `tally status` tells an operator.
+    let consumer_ops = format!("http://127.0.0.1:{ops}");
     eventually(
         "the group to commit the dislikes or the consumer to hold them",
         Duration::from_secs(30),
-        || {
-            let (kafka, group) = (kafka.clone(), group.clone());
-            async move {
-                let committed =
-                    tokio::task::spawn_blocking(move || tally::bus::lag::group_lag(&kafka, &group))
-                        .await
-                        .ok()?
-                        .is_ok_and(|lags| lags.iter().all(|l| l.messages == 0));
-                let held = metric("tally_consumer_batches_held")
-                    .await
-                    .is_some_and(|n| n >= 1.0);
-                (committed || held).then_some(())
-            }
+        || async {
+            let out = env
+                .tally()
+                .args(["status", "--json", "--interval", "100ms"])
+                .args(["--vote-ops", &app.ops, "--consumer-ops", &consumer_ops])
+                .output()
+                .ok()?;
+            let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let lag = status["lag"].as_array()?;
+            let committed = !lag.is_empty() && lag.iter().all(|l| l["messages"] == 0);
+            let held = status["batches_held"].as_f64()? >= 1.0
+                && status["drops_owed_consumer"].as_f64()? >= 1.0;
+            (committed || held).then_some(())
         },
     )
     .await;
