@@ -244,12 +244,7 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         "the group's committed offsets to catch up",
         Duration::from_secs(30),
         || async {
-            let out = env
-                .tally()
-                .args(["status", "--json", "--interval", "200ms"])
-                .args(["--vote-ops", &vote_ops, "--consumer-ops", &consumer_url])
-                .output()
-                .ok()?;
+            let out = env.status(&vote_ops, &consumer_url, "200ms").ok()?;
             assert!(
                 out.status.success(),
                 "{}",

@@ -803,10 +803,7 @@ async fn a_redis_that_refuses_writes_for_want_of_memory_serves_the_votes_it_refu
     let redis = PrivateRedis::start(free_port());
     let url = format!("redis://127.0.0.1:{}", redis.port);
     let (app, consumer) = on_redis(&env, &url, env.redis.timeout).await;
-    let served = async || {
-        let summary = app.summary("reader", "full").await.json();
-        serde_json::from_value::<Totals>(summary["items"]["full"].clone()).ok()
-    };
+    let served = async || totals_served(&app, "full").await;
     let like = |n: usize| Totals::count(std::iter::repeat_n(Reaction::Like, n));
     let vote = async |user: &str, action: &str| {
         let reply = app.vote(user, new_key(), "full", action).await;
@@ -892,10 +889,7 @@ async fn a_redis_frozen_while_the_consumer_counts_serves_the_truth_soon_after_it
     let mut config = env.api_config();
     config.stores.redis.url = format!("redis://127.0.0.1:{}", elsewhere.port);
     let voter = env.spawn_app_with(config).await;
-    let served = async || {
-        let summary = app.summary("reader", "frozen").await.json();
-        serde_json::from_value::<Totals>(summary["items"]["frozen"].clone()).ok()
-    };
+    let served = async || totals_served(&app, "frozen").await;
     let first = voter.vote("ida", new_key(), "frozen", "like").await;
     assert_eq!(first.status, 200, "{}", first.body);
     let one_like = Totals::count([Reaction::Like]);
@@ -1001,6 +995,13 @@ async fn a_like_counted_and_served(
     .await;
 }
 
+/// The totals `GET /v1/votes/summary` serves for `target`, if it answers
+/// with them.
+async fn totals_served(app: &crate::support::TestApp, target: &str) -> Option<Totals> {
+    let summary = app.summary("reader", target).await.json();
+    serde_json::from_value::<Totals>(summary["items"][target].clone()).ok()
+}
+
 /// The sum of a metric's samples on the /metrics served on `ops`, if it
 /// answers and has them.
 async fn metric_at(client: &reqwest::Client, ops: u16, name: &str) -> Option<f64> {
@@ -1030,10 +1031,7 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_no_entry_behind() -> TestR
     let ops = free_port();
     let mut consumer = consumer_process(&env, &url, ops)?;
     let owed = async || metric_at(&app.client, ops, "tally_cache_drops_owed").await;
-    let served = async || {
-        let summary = app.summary("reader", "killed").await.json();
-        serde_json::from_value::<Totals>(summary["items"]["killed"].clone()).ok()
-    };
+    let served = async || totals_served(&app, "killed").await;
     a_like_counted_and_served(&env, &app, "killed", &served).await;
 
     redis.freeze();
@@ -1073,10 +1071,7 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_its_batch_to_be_replayed()
     let ops = free_port();
     let mut first = consumer_process(&env, &url, ops)?;
     let metric = async |name: &str| metric_at(&app.client, ops, name).await;
-    let served = async || {
-        let summary = app.summary("reader", "replayed").await.json();
-        serde_json::from_value::<Totals>(summary["items"]["replayed"].clone()).ok()
-    };
+    let served = async || totals_served(&app, "replayed").await;
     a_like_counted_and_served(&env, &app, "replayed", &served).await;
 
     // The dislikes' cache steps land while the consumer cannot count them.
@@ -1112,12 +1107,7 @@ async fn a_consumer_killed_while_it_owes_drops_leaves_its_batch_to_be_replayed()
         "the group to commit the dislikes or the consumer to hold them",
         Duration::from_secs(30),
         || async {
-            let out = env
-                .tally()
-                .args(["status", "--json", "--interval", "100ms"])
-                .args(["--vote-ops", &app.ops, "--consumer-ops", &consumer_ops])
-                .output()
-                .ok()?;
+            let out = env.status(&app.ops, &consumer_ops, "100ms").ok()?;
             let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
             let lag = status["lag"].as_array()?;
             let committed = !lag.is_empty() && lag.iter().all(|l| l["messages"] == 0);

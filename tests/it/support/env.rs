@@ -255,6 +255,20 @@ impl TestEnv {
         (layout.of_token(token).column(), token)
     }
 
+    /// `tally status --json` against these operator addresses, reading
+    /// their metrics `interval` apart.
+    pub fn status(
+        &self,
+        vote_ops: &str,
+        consumer_ops: &str,
+        interval: &str,
+    ) -> std::io::Result<std::process::Output> {
+        self.tally()
+            .args(["status", "--json", "--interval", interval])
+            .args(["--vote-ops", vote_ops, "--consumer-ops", consumer_ops])
+            .output()
+    }
+
     /// The `tally` binary with this test's keyspace, topics, group and prefix.
     pub fn tally(&self) -> std::process::Command {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
