@@ -253,8 +253,9 @@ async fn write_through(
 /// mark that kept the vote's late cache step from counting it again (the
 /// step then counts it on top of heads that count it). Only if the entry
 /// holds a pending change of the round's users, the head is read again at
-/// SERIAL, which completes any write in flight: if it has not moved, it
-/// counts every row the round read. Returns the CQL requests made.
+/// SERIAL, which completes any write in flight. That head counts every row
+/// the round read, at its version or a later one: the rows were read before
+/// it, and heads only move forward. Returns the CQL requests made.
 async fn settle(
     stats: &Stats,
     cache: Option<&Cache>,
@@ -274,21 +275,49 @@ async fn settle(
     // wasted, so the same call asks whether the entry holds one. An entry
     // Redis did not answer for is owed a drop, and then holds nothing either.
     let users: Vec<(&UserId, i64)> = applied.iter().map(|(u, a)| (u, a.version)).collect();
-    match cache.drop_if_behind(target, bucket, seq, &users).await {
-        Ok(Behind::Pending) => {}
-        Ok(Behind::Dropped | Behind::Settled) => return 0,
+    if !pending_at(cache, (target, bucket), seq, &users).await {
+        return 0;
+    }
+    let now = match stats.head(target, bucket, ReadAt::Serial).await {
+        Ok(again) => again.seq.unwrap_or(seq),
         Err(e) => {
-            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable head");
-            return 0;
+            // Nothing else will take those changes out before the bucket's
+            // next write or the TTL.
+            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "could not read the head again to settle the cache entry; dropping it");
+            cache.owe(target);
+            return 1;
+        }
+    };
+    if now != seq {
+        // Another writer landed after the round's reads. Its write through
+        // takes out only its own users' changes, so this round's users'
+        // changes would stay beside a base that counts them. An entry whose
+        // base is older than that head is dropped instead.
+        if !pending_at(cache, (target, bucket), now, &users).await {
+            return 1;
         }
     }
-    match stats.head(target, bucket, ReadAt::Serial).await {
-        Ok(again) if again.seq == head.seq => {}
-        // A writer that moved it writes its own through.
-        _ => return 1,
-    }
-    settle_pending(cache, (target, (stats.layout(), bucket)), seq, &users).await;
+    settle_pending(cache, (target, (stats.layout(), bucket)), now, &users).await;
     1
+}
+
+/// Drops the entry if its base of `bucket` is older than the head at
+/// `seq`, and answers whether the entry it keeps holds a pending change of
+/// `users` (one Redis did not answer is owed a drop, and then holds none).
+async fn pending_at(
+    cache: &Cache,
+    (target, bucket): (&TargetId, Bucket),
+    seq: i64,
+    users: &[(&UserId, i64)],
+) -> bool {
+    match cache.drop_if_behind(target, bucket, seq, users).await {
+        Ok(Behind::Pending) => true,
+        Ok(Behind::Dropped | Behind::Settled) => false,
+        Err(e) => {
+            tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable head");
+            false
+        }
+    }
 }
 
 /// Takes out of the cache the pending changes of `users` (each at most at

@@ -8,7 +8,7 @@ use tally::domain::{Reaction, TargetId};
 
 use anyhow::Context;
 
-use crate::support::{Rng, TestEnv, TestResult, eventually, token};
+use crate::support::{MoveFence, Rng, TestEnv, TestResult, eventually, token};
 
 fn target(s: &str) -> TargetId {
     TargetId::parse(s).unwrap_or_else(|e| panic!("{e}"))
@@ -509,24 +509,6 @@ async fn rows_within_the_lag_grace_are_counted_but_are_not_drift() -> TestResult
     assert_eq!(summary["users_in_flight"], 0, "{summary}");
     assert_eq!(env.stats().await, env.recount().await);
     Ok(())
-}
-
-/// Another writer of one bucket's fence, as a consumer on a hot target is:
-/// each round writes the totals it read, moving `seq` and nothing else.
-struct MoveFence;
-
-impl tally::fence::Fold for MoveFence {
-    async fn fold(
-        &mut self,
-        _: &TargetId,
-        read: tally::fence::Read,
-    ) -> Result<tally::fence::Step, tally::store::StoreError> {
-        Ok(tally::fence::Step::Write {
-            totals: read.head.totals,
-            target_type: read.head.target_type,
-            users: Vec::new(),
-        })
-    }
 }
 
 #[tokio::test]

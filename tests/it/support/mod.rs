@@ -10,7 +10,8 @@
 //! - `history`: a linearizability checker for one (user, target) register;
 //! - `stack`: `scripts/stack.sh` and signals to its servers, for fault runs;
 //! - `rng`: the one deterministic generator (and Zipf), so a failing run can
-//!   be repeated from its seed.
+//!   be repeated from its seed;
+//! - `writers`: writers of a bucket's fence that the product does not have.
 
 // Each binary that includes this module uses a different part of it.
 #![allow(dead_code, unused_imports)]
@@ -24,6 +25,7 @@ pub mod rng;
 mod servers;
 pub mod stack;
 mod truth;
+mod writers;
 
 use std::time::Duration;
 
@@ -33,6 +35,7 @@ pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
 pub use servers::{PrivateRedis, Proc, free_port, signal};
 pub use truth::{Tallies, Tally};
+pub use writers::MoveFence;
 
 pub const JWT_SECRET: &str = "integration-test-secret-of-32-bytes-or-more";
 
