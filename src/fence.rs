@@ -310,7 +310,7 @@ async fn pending_at(
     seq: i64,
     users: &[(&UserId, i64)],
 ) -> bool {
-    match cache.drop_if_behind(target, bucket, seq, users).await {
+    match cache.drop_if_behind(target, &[(bucket, seq)], users).await {
         Ok(Behind::Pending) => true,
         Ok(Behind::Dropped | Behind::Settled) => false,
         Err(e) => {

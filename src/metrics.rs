@@ -46,6 +46,9 @@ pub const UNKNOWN_RESOLVED: &str = "tally_unknown_outcomes_total";
 pub const DRIFT_FOUND: &str = "tally_reconcile_drift_found_total";
 pub const DRIFT_REPAIRED: &str = "tally_reconcile_drift_repaired_total";
 pub const RECONCILE_CHECKED: &str = "tally_reconcile_targets_checked_total";
+/// Cache entries reconcile found behind the durable totals of a bucket it
+/// found counted (a write that landed without its write through).
+pub const RECONCILE_ENTRIES_BEHIND: &str = "tally_reconcile_cache_entries_behind_total";
 /// Committed transitions Kafka did not take when they were cast; the relay
 /// publishes them from the outbox.
 pub const PUBLISH_DEFERRED: &str = "tally_publish_deferred_total";
@@ -174,6 +177,10 @@ fn describe() {
     );
     describe_counter!(DRIFT_REPAIRED, "drifted targets repaired");
     describe_counter!(RECONCILE_CHECKED, "targets recounted");
+    describe_counter!(
+        RECONCILE_ENTRIES_BEHIND,
+        "cache entries dropped for holding a base older than a durable head"
+    );
     describe_counter!(
         PUBLISH_DEFERRED,
         "committed transitions Kafka did not take at once; the relay publishes them"

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::cache::Cache;
+use crate::cache::{Behind, Cache};
 use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Totals, UserId};
 use crate::fence::{self, MAX_USERS_PER_WRITE};
 use crate::store::reactions::Counted;
@@ -189,8 +189,10 @@ impl Reconciler {
         // walk: by then the ones read here may be long stale.
         let small = everything.len() < self.page_size as usize;
         let mut report = Report::empty(target);
+        let mut unwritten = Vec::new();
         for (i, (bucket, head)) in buckets.iter().zip(heads).enumerate() {
             if i > 0 && pause() {
+                self.drop_entry_behind(target, &unwritten, dry_run).await;
                 return Ok(Part {
                     report,
                     next: Some(*bucket),
@@ -214,10 +216,39 @@ impl Reconciler {
                 found: Found::default(),
             };
             let found = pass.run(head, known).await?;
+            unwritten.extend(found.unwritten.map(|seq| (*bucket, seq)));
             report.add(found);
         }
+        self.drop_entry_behind(target, &unwritten, dry_run).await;
         self.record(target, &report, dry_run);
         Ok(Part { report, next: None })
+    }
+
+    /// Drops the target's cache entry if its base of a bucket reconcile
+    /// found counted is older than that bucket's head. A write that landed
+    /// without its write through leaves such an entry: its writer was
+    /// killed between the two, or owed the entry a drop and was killed
+    /// before Redis took it (the drops owed live in the process). No vote
+    /// on the bucket may ever come to fix it, so every check fixes it.
+    async fn drop_entry_behind(&self, target: &TargetId, heads: &[(Bucket, i64)], dry_run: bool) {
+        let Some(cache) = self
+            .cache
+            .as_ref()
+            .filter(|_| !dry_run && !heads.is_empty())
+        else {
+            return;
+        };
+        match cache.drop_if_behind(target, heads, &[]).await {
+            Ok(Behind::Dropped) => {
+                metrics::counter!(crate::metrics::RECONCILE_ENTRIES_BEHIND).increment(1);
+                tracing::info!(target_id = %target, "cache entry behind the durable totals dropped");
+            }
+            Ok(Behind::Pending | Behind::Settled) => {}
+            // Owed a drop, which this process sends once Redis answers.
+            Err(e) => {
+                tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable totals");
+            }
+        }
     }
 
     fn record(&self, target: &TargetId, report: &Report, dry_run: bool) {
@@ -378,6 +409,9 @@ struct Found {
     in_flight: usize,
     damaged_totals: bool,
     writes: u32,
+    /// The bucket's seq, when its passes found it counted and wrote
+    /// nothing.
+    unwritten: Option<i64>,
 }
 
 /// A row of `reactions` as a page reads it: the user's token, the user,
@@ -463,6 +497,9 @@ impl BucketPass<'_> {
                 }
             }
             self.found.after = walk.recount;
+            if self.found.writes == 0 {
+                self.found.unwritten = walk.seq;
+            }
             return Ok(self.found);
         }
     }

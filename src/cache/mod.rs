@@ -510,23 +510,27 @@ return taken
 ";
 
 /// Drops an entry whose base of a bucket is older than `seq`, a durable
-/// head a round read and found its events counted in: a write landed there
-/// that was never written through (its writer had no Redis, died between
-/// the two, or timed out and landed after all), or its write through is
-/// still on the way, and a drop is safe either way. No entry, no drop. An
-/// entry kept is asked whether it holds a pending change of any of the
-/// round's users, which only a settle takes out.
-/// ARGV: bucket, seq, then the users.
+/// head a round read and found its events counted in (or reconcile found
+/// its bucket counted in): a write landed there that was never written
+/// through (its writer had no Redis, died between the two, or timed out and
+/// landed after all), or its write through is still on the way, and a drop
+/// is safe either way. No entry, no drop. An entry kept is asked whether it
+/// holds a pending change of any of the round's users, which only a settle
+/// takes out.
+/// ARGV: k, then k times bucket and seq, then the users.
 /// Returns 2 if it dropped the entry, 1 if it kept one holding such a
 /// change, 0 otherwise.
 const DROP_BEHIND: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
-if cur < tonumber(ARGV[2]) then
-  redis.call('DEL', KEYS[1])
-  return 2
+local k = tonumber(ARGV[1])
+for i = 0, k - 1 do
+  local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[2 + 2 * i]) or '0')
+  if cur < tonumber(ARGV[3 + 2 * i]) then
+    redis.call('DEL', KEYS[1])
+    return 2
+  end
 end
-for i = 3, #ARGV do
+for i = 2 + 2 * k, #ARGV do
   if redis.call('HEXISTS', KEYS[1], 'p:' .. ARGV[i]) == 1 then return 1 end
 end
 return 0
@@ -1077,20 +1081,22 @@ impl Cache {
         }
     }
 
-    /// Drops the entry if its base of `bucket` is older than `seq`, a head
-    /// a durable round read and wrote nothing after, and otherwise answers
-    /// whether it holds a pending change of any of `users` (see
-    /// `DROP_BEHIND`): one round trip for every round that writes nothing.
-    /// One Redis did not answer is owed a drop.
+    /// Drops the entry if its base of any bucket in `heads` is older than
+    /// the seq given, a head a durable round read and wrote nothing after,
+    /// and otherwise answers whether it holds a pending change of any of
+    /// `users` (see `DROP_BEHIND`): one round trip for every round that
+    /// writes nothing. One Redis did not answer is owed a drop.
     pub async fn drop_if_behind(
         &self,
         target: &TargetId,
-        bucket: Bucket,
-        seq: i64,
+        heads: &[(Bucket, i64)],
         users: &[(&UserId, i64)],
     ) -> Result<Behind, CacheError> {
         let mut call = self.drop_behind.key(self.key(target));
-        call.arg(bucket.index()).arg(seq);
+        call.arg(heads.len());
+        for (bucket, seq) in heads {
+            call.arg(bucket.index()).arg(*seq);
+        }
         for (user, _) in users {
             call.arg(user.as_str());
         }

@@ -511,6 +511,63 @@ async fn rows_within_the_lag_grace_are_counted_but_are_not_drift() -> TestResult
     Ok(())
 }
 
+/// A write that lands without its write through (its writer killed between
+/// the two, or killed while it still owed the entry a drop) leaves a cache
+/// entry older than the durable totals, and no vote on the target may ever
+/// come to fix it. The next check of the target drops it, though it finds
+/// no drift; a dry run leaves it.
+#[tokio::test]
+async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    env.cql("INSERT INTO targets (target_id, target_type) VALUES ('video_k', 'video')")
+        .await;
+    env.cql(
+        "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
+         VALUES ('gus', 'video_k', 'video', 'like', 1, '2026-01-01 00:00:00+0000')",
+    )
+    .await;
+    let served = async || {
+        let reply = app.summary("reader", "video_k").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["items"]["video_k"]["likes"].clone()
+    };
+    assert_eq!(served().await, 0, "the entry filled before the repair");
+
+    // A reconcile with no Redis stands for one killed before its drop.
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
+    let repaired = tally::reconcile::Reconciler::new(std::sync::Arc::new(store), None)
+        .target(&target("video_k"), false)
+        .await?;
+    assert!(repaired.drifted, "{repaired:?}");
+    assert_eq!(env.stats().await, env.recount().await);
+    assert_eq!(served().await, 0, "the entry left behind the totals");
+
+    let check = |extra: &'static [&'static str]| {
+        let mut args = vec![
+            "reconcile",
+            "--target",
+            "video_k",
+            "--json",
+            "--fail-on-drift",
+        ];
+        args.extend(extra);
+        env.tally().args(args).output()
+    };
+    for (extra, likes) in [(&["--dry-run"][..], 0), (&[][..], 1)] {
+        let out = check(extra)?;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(json_of(&out)["targets_drifted"], 0, "{extra:?}");
+        assert_eq!(served().await, likes, "served after {extra:?}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_sweep_skips_a_target_another_writer_keeps_writing_and_finishes_the_rest() -> TestResult
 {
