@@ -254,8 +254,10 @@ async fn write_through(
 /// step then counts it on top of heads that count it). Only if the entry
 /// holds a pending change of the round's users, the head is read again at
 /// SERIAL, which completes any write in flight. That head counts every row
-/// the round read, at its version or a later one: the rows were read before
-/// it, and heads only move forward. Returns the CQL requests made.
+/// the round read: a row and the head that counts it are written in one
+/// conditional batch on one partition, the rows were read before it, and
+/// each later write is fenced on the head before it. Returns the CQL
+/// requests made.
 async fn settle(
     stats: &Stats,
     cache: Option<&Cache>,
@@ -279,7 +281,7 @@ async fn settle(
         return 0;
     }
     let now = match stats.head(target, bucket, ReadAt::Serial).await {
-        Ok(again) => again.seq.unwrap_or(seq),
+        Ok(again) => again.seq.unwrap_or(seq).max(seq),
         Err(e) => {
             // Nothing else will take those changes out before the bucket's
             // next write or the TTL.

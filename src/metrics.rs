@@ -179,7 +179,7 @@ fn describe() {
     describe_counter!(RECONCILE_CHECKED, "targets recounted");
     describe_counter!(
         RECONCILE_ENTRIES_BEHIND,
-        "cache entries dropped for holding a base older than a durable head"
+        "cache entries dropped for a base older than a durable head, or a fill that may have read older heads"
     );
     describe_counter!(
         PUBLISH_DEFERRED,

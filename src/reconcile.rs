@@ -228,8 +228,9 @@ impl Reconciler {
     /// found counted is older than that bucket's head. A write that landed
     /// without its write through leaves such an entry: its writer was
     /// killed between the two, or owed the entry a drop and was killed
-    /// before Redis took it (the drops owed live in the process). No vote
-    /// on the bucket may ever come to fix it, so every check fixes it.
+    /// before Redis took it (the drops owed live in the process). No write
+    /// of the bucket may ever come to fix it, so every check that completes
+    /// fixes it.
     async fn drop_entry_behind(&self, target: &TargetId, heads: &[(Bucket, i64)], dry_run: bool) {
         let Some(cache) = self
             .cache
@@ -238,13 +239,13 @@ impl Reconciler {
         else {
             return;
         };
-        match cache.drop_if_behind(target, heads, &[]).await {
+        match cache.drop_if_behind_once(target, heads).await {
             Ok(Behind::Dropped) => {
                 metrics::counter!(crate::metrics::RECONCILE_ENTRIES_BEHIND).increment(1);
                 tracing::info!(target_id = %target, "cache entry behind the durable totals dropped");
             }
             Ok(Behind::Pending | Behind::Settled) => {}
-            // Owed a drop, which this process sends once Redis answers.
+            // The next check makes the same test.
             Err(e) => {
                 tracing::warn!(target_id = %target, error = format!("{:#}", anyhow::Error::new(e)), "could not check the cache entry against the durable totals");
             }

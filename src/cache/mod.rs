@@ -514,14 +514,18 @@ return taken
 /// its bucket counted in): a write landed there that was never written
 /// through (its writer had no Redis, died between the two, or timed out and
 /// landed after all), or its write through is still on the way, and a drop
-/// is safe either way. No entry, no drop. An entry kept is asked whether it
-/// holds a pending change of any of the round's users, which only a settle
-/// takes out.
+/// is safe either way. No entry, no drop. An entry no fill has armed holds
+/// reconcile's marks alone and serves nothing: it is not behind (its fill
+/// will read the heads after arming), and a drop would take the marks. An
+/// armed one with no base of a bucket is behind any head of it: its fill
+/// may have read the heads before that write landed. An entry kept is asked
+/// whether it holds a pending change of any of the round's users, which
+/// only a settle takes out.
 /// ARGV: k, then k times bucket and seq, then the users.
 /// Returns 2 if it dropped the entry, 1 if it kept one holding such a
 /// change, 0 otherwise.
 const DROP_BEHIND: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'g') == 0 then return 0 end
 local k = tonumber(ARGV[1])
 for i = 0, k - 1 do
   local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[2 + 2 * i]) or '0')
@@ -1092,6 +1096,29 @@ impl Cache {
         heads: &[(Bucket, i64)],
         users: &[(&UserId, i64)],
     ) -> Result<Behind, CacheError> {
+        match self.behind(target, heads, users).await {
+            Err(e) => Err(self.left_behind(target, "drop_behind", e).await),
+            answer => answer,
+        }
+    }
+
+    /// `drop_if_behind` for a check whose next run makes the same test: one
+    /// Redis did not answer is owed nothing. (A sweep that owed a drop for
+    /// every target it checked during an outage would empty the cache.)
+    pub async fn drop_if_behind_once(
+        &self,
+        target: &TargetId,
+        heads: &[(Bucket, i64)],
+    ) -> Result<Behind, CacheError> {
+        self.behind(target, heads, &[]).await
+    }
+
+    async fn behind(
+        &self,
+        target: &TargetId,
+        heads: &[(Bucket, i64)],
+        users: &[(&UserId, i64)],
+    ) -> Result<Behind, CacheError> {
         let mut call = self.drop_behind.key(self.key(target));
         call.arg(heads.len());
         for (bucket, seq) in heads {
@@ -1100,15 +1127,14 @@ impl Cache {
         for (user, _) in users {
             call.arg(user.as_str());
         }
-        let answer: Result<i64, CacheError> = self
+        let answer: i64 = self
             .within(|mut c| async move { call.invoke_async(&mut c).await })
-            .await;
-        match answer {
-            Ok(2) => Ok(Behind::Dropped),
-            Ok(1) => Ok(Behind::Pending),
-            Ok(_) => Ok(Behind::Settled),
-            Err(e) => Err(self.left_behind(target, "drop_behind", e).await),
-        }
+            .await?;
+        Ok(match answer {
+            2 => Behind::Dropped,
+            1 => Behind::Pending,
+            _ => Behind::Settled,
+        })
     }
 
     /// After a change could not be written to a target's entry: if Redis

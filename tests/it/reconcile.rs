@@ -513,20 +513,31 @@ async fn rows_within_the_lag_grace_are_counted_but_are_not_drift() -> TestResult
 
 /// A write that lands without its write through (its writer killed between
 /// the two, or killed while it still owed the entry a drop) leaves a cache
-/// entry older than the durable totals, and no vote on the target may ever
+/// entry older than the durable totals, and no write of the bucket may ever
 /// come to fix it. The next check of the target drops it, though it finds
-/// no drift; a dry run leaves it.
+/// no drift; a dry run leaves it. Here one of two buckets is current in the
+/// entry and the later one is behind.
 #[tokio::test]
 async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
+    // Two voters in two buckets, the first bucket's before the other's.
+    let mut voters: Vec<String> = vec!["gus".into()];
+    voters.extend(
+        (0..1_000)
+            .map(|i| format!("v{i}"))
+            .find(|u| env.place_of(u).0 != env.place_of("gus").0),
+    );
+    voters.sort_by_key(|u| env.place_of(u).0);
     env.cql("INSERT INTO targets (target_id, target_type) VALUES ('video_k', 'video')")
         .await;
-    env.cql(
-        "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
-         VALUES ('gus', 'video_k', 'video', 'like', 1, '2026-01-01 00:00:00+0000')",
-    )
-    .await;
+    for user in &voters {
+        env.cql(&format!(
+            "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
+             VALUES ('{user}', 'video_k', 'video', 'like', 1, '2026-01-01 00:00:00+0000')"
+        ))
+        .await;
+    }
     let served = async || {
         let reply = app.summary("reader", "video_k").await;
         assert_eq!(reply.status, 200, "{}", reply.body);
@@ -535,13 +546,33 @@ async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals()
     assert_eq!(served().await, 0, "the entry filled before the repair");
 
     // A reconcile with no Redis stands for one killed before its drop.
-    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
-    let repaired = tally::reconcile::Reconciler::new(std::sync::Arc::new(store), None)
-        .target(&target("video_k"), false)
+    let store = std::sync::Arc::new(
+        tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?,
+    );
+    let video = target("video_k");
+    let repaired = tally::reconcile::Reconciler::new(store.clone(), None)
+        .target(&video, false)
         .await?;
     assert!(repaired.drifted, "{repaired:?}");
     assert_eq!(env.stats().await, env.recount().await);
-    assert_eq!(served().await, 0, "the entry left behind the totals");
+    assert_eq!(env.stats().await["video_k"].likes(), 2);
+    // A later write of the first bucket brings that one up to date.
+    let first = store
+        .stats
+        .bucket_of(&tally::domain::UserId::parse(&voters[0])?);
+    tally::fence::write(
+        &store.stats,
+        Some(&cache(&env)?),
+        (&video, first),
+        &[],
+        &mut MoveFence,
+    )
+    .await?;
+    assert_eq!(
+        served().await,
+        1,
+        "the entry behind the totals in one bucket"
+    );
 
     let check = |extra: &'static [&'static str]| {
         let mut args = vec![
@@ -554,7 +585,7 @@ async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals()
         args.extend(extra);
         env.tally().args(args).output()
     };
-    for (extra, likes) in [(&["--dry-run"][..], 0), (&[][..], 1)] {
+    for (extra, likes) in [(&["--dry-run"][..], 1), (&[][..], 2)] {
         let out = check(extra)?;
         assert_eq!(
             out.status.code(),
@@ -566,6 +597,10 @@ async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals()
         assert_eq!(served().await, likes, "served after {extra:?}");
     }
     Ok(())
+}
+
+fn cache(env: &TestEnv) -> anyhow::Result<tally::cache::Cache> {
+    tally::cache::Cache::new(&env.redis, Duration::from_secs(60))
 }
 
 #[tokio::test]
