@@ -131,6 +131,16 @@ async fn store_section(results: &mut Results) {
             Op::VoteCountedStamped,
             false,
         ),
+        (
+            "counting a transition sharded: a conditional batch of a shard's queue",
+            Op::CountSharded,
+            false,
+        ),
+        (
+            "vote, then its transition counted sharded",
+            Op::VoteCountedSharded,
+            false,
+        ),
     ];
     warm_up(&runs).await;
     results.store = store_runs(&stores, &runs, Duration::from_secs(secs), 3).await;

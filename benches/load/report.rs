@@ -97,6 +97,22 @@ pub fn report(r: &Results) {
                 vs / vf
             );
         }
+        if let (Some(fenced), Some(sharded), Some(vf), Some(vsh), Some(bare)) = (
+            rate(Op::CountFenced),
+            rate(Op::CountSharded),
+            rate(Op::VoteCountedFenced),
+            rate(Op::VoteCountedSharded),
+            rate(Op::BareLwt),
+        ) {
+            let _ = writeln!(
+                md,
+                "Counting alone, sharded / fenced: {:.2}x. A vote counted sharded / bare LWT: {:.2}x (sharded / fenced {:.2}x); {} transitions a sharded write at most\n",
+                sharded / fenced,
+                vsh / bare,
+                vsh / vf,
+                super::support::env_num("TALLY_BENCH_SHARD_BATCH", 8)
+            );
+        }
     }
     if !r.consumer.is_empty() {
         let _ = writeln!(

@@ -452,6 +452,13 @@ pub enum Op {
     VoteCountedFenced,
     /// `Vote`, then its transition counted by `CountStamped`.
     VoteCountedStamped,
+    /// Counting one transition the sharded way: queued by the task, which
+    /// owns a shard of targets, and every `TALLY_BENCH_SHARD_BATCH`-th
+    /// counted with the rest of the queue in one conditional batch on the
+    /// shard's partition (`count::sharded`).
+    CountSharded,
+    /// `Vote`, then its transition counted by `CountSharded`.
+    VoteCountedSharded,
 }
 
 impl Op {
@@ -460,7 +467,12 @@ impl Op {
     fn owns_targets(self) -> bool {
         matches!(
             self,
-            Op::CountFenced | Op::CountStamped | Op::VoteCountedFenced | Op::VoteCountedStamped
+            Op::CountFenced
+                | Op::CountStamped
+                | Op::VoteCountedFenced
+                | Op::VoteCountedStamped
+                | Op::CountSharded
+                | Op::VoteCountedSharded
         )
     }
 }
@@ -493,6 +505,7 @@ pub struct StoreOps {
     upsert: scylla::statement::prepared::PreparedStatement,
     bare: scylla::statement::prepared::PreparedStatement,
     stamped: count::Stamped,
+    sharded: count::Sharded,
 }
 
 impl StoreOps {
@@ -512,12 +525,14 @@ impl StoreOps {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let stamped = count::Stamped::prepare(&session).await;
+        let sharded = count::Sharded::prepare(&session).await;
         StoreOps {
             store: std::sync::Arc::new(store),
             session: std::sync::Arc::new(session),
             upsert,
             bare,
             stamped,
+            sharded,
         }
     }
 }
@@ -591,7 +606,9 @@ pub async fn store_runs(
         }
     }
     for ((_, op, _), (_, owned)) in runs.iter().zip(&seen) {
-        if op.owns_targets() {
+        if matches!(op, Op::CountSharded | Op::VoteCountedSharded) {
+            count::check_sharded(&ops.session, &ops.sharded, owned).await;
+        } else if op.owns_targets() {
             let stamped = matches!(op, Op::CountStamped | Op::VoteCountedStamped);
             count::check(&ops.store, &ops.session, &ops.stamped, owned, stamped).await;
         }
@@ -630,28 +647,13 @@ async fn counted(
     n: u64,
     (hints, owned): (&tally::cast::Hints, &count::Owned),
 ) -> tally::store::Cas {
-    use tally::domain::{Applied, TargetId, UserId};
-    use tally::store::Cas;
-    let (user, target) = match (UserId::parse(user), TargetId::parse(target)) {
-        (Ok(u), Ok(t)) => (u, t),
-        _ => panic!("bad ids {user} {target}"),
-    };
+    let (user, target) = ids(user, target);
     let event = match op {
         Op::CountFenced | Op::CountStamped => owned.next_vote(&target, &user),
-        _ => {
-            let part = OutboxPart::Whole;
-            match lwt_vote_optimistic(&ops.store, &user, &target, n, hints, part).await {
-                Cas::Applied => match hints.get(&user, &target) {
-                    Some(row) => Applied {
-                        version: row.version,
-                        state: row.state,
-                    },
-                    // The hints started over between the vote and this read.
-                    None => return Cas::Unknown(anyhow::anyhow!("the vote's row was forgotten")),
-                },
-                other => return other,
-            }
-        }
+        _ => match voted(ops, (&user, &target), n, hints).await {
+            Ok(event) => event,
+            Err(cas) => return cas,
+        },
     };
     match op {
         Op::CountFenced | Op::VoteCountedFenced => {
@@ -662,6 +664,68 @@ async fn counted(
             count::stamped(&ops.store, &ops.session, &ops.stamped, owned, on, event).await
         }
     }
+}
+
+/// A run's ids, parsed.
+fn ids(user: &str, target: &str) -> (tally::domain::UserId, tally::domain::TargetId) {
+    use tally::domain::{TargetId, UserId};
+    match (UserId::parse(user), TargetId::parse(target)) {
+        (Ok(u), Ok(t)) => (u, t),
+        _ => panic!("bad ids {user} {target}"),
+    }
+}
+
+/// The vote's optimistic store operation, and the transition it committed,
+/// as the vote API would publish it; the vote's outcome when it committed
+/// none.
+async fn voted(
+    ops: &StoreOps,
+    (user, target): (&tally::domain::UserId, &tally::domain::TargetId),
+    n: u64,
+    hints: &tally::cast::Hints,
+) -> Result<tally::domain::Applied, tally::store::Cas> {
+    use tally::store::Cas;
+    let part = OutboxPart::Whole;
+    match lwt_vote_optimistic(&ops.store, user, target, n, hints, part).await {
+        Cas::Applied => match hints.get(user, target) {
+            Some(row) => Ok(tally::domain::Applied {
+                version: row.version,
+                state: row.state,
+            }),
+            // The hints started over between the vote and this read.
+            None => Err(Cas::Unknown(anyhow::anyhow!(
+                "the vote's row was forgotten"
+            ))),
+        },
+        other => Err(other),
+    }
+}
+
+/// One operation of a sharded run: the transition (the next one alone, or
+/// the one a vote committed) queued on the task's shard, and the queue
+/// counted in one write once it holds `batch`.
+async fn queued(
+    ops: &StoreOps,
+    op: Op,
+    (user, target): (&str, &str),
+    n: u64,
+    (hints, owned): (&tally::cast::Hints, &count::Owned),
+    (shard, queue, batch): (i32, &mut count::Queue, usize),
+) -> tally::store::Cas {
+    use tally::store::Cas;
+    let (user, target) = ids(user, target);
+    let event = match op {
+        Op::CountSharded => count::next_vote_after(owned, queue, &target, &user),
+        _ => match voted(ops, (&user, &target), n, hints).await {
+            Ok(event) => event,
+            Err(cas) => return cas,
+        },
+    };
+    queue.push((target, user, event));
+    if queue.len() < batch {
+        return Cas::Applied;
+    }
+    count::sharded(&ops.session, &ops.sharded, owned, shard, queue).await
 }
 
 /// `op` with 64 in flight for `secs`: 20,000 users over 10,000 targets, or
@@ -681,6 +745,7 @@ async fn store_run(
     use tally::domain::{TargetId, UserId};
     use tally::store::Cas;
     let deadline = std::time::Instant::now() + secs;
+    let shard_batch = env_num("TALLY_BENCH_SHARD_BATCH", 8).max(1) as usize;
     let (unknown, conflicts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let mut tasks = Vec::new();
     for w in 0..64u64 {
@@ -690,6 +755,9 @@ async fn store_run(
             let mut rng = Zipf::new(1, 1.0, w + 1 + u64::from(round) * 1_000);
             let mut h = histogram();
             let mut n = 0u64;
+            // A sharded run's task owns shard `run * 64 + w`: its targets.
+            let shard = (run * 64) as i32 + w as i32;
+            let mut queue = count::Queue::new();
             while std::time::Instant::now() < deadline {
                 let user = format!("r{run}u{}", rng.below(20_000));
                 let target = if op.owns_targets() {
@@ -732,6 +800,11 @@ async fn store_run(
                     | Op::VoteCountedStamped => {
                         let k = u64::from(round) * 100_000_000 + w * 1_000_000 + n;
                         counted(&ops, op, (&user, &target), k, (&hints, &owned)).await
+                    }
+                    Op::CountSharded | Op::VoteCountedSharded => {
+                        let k = u64::from(round) * 100_000_000 + w * 1_000_000 + n;
+                        let on = (shard, &mut queue, shard_batch);
+                        queued(&ops, op, (&user, &target), k, (&hints, &owned), on).await
                     }
                     Op::ReadThenWrite
                     | Op::Vote
@@ -779,6 +852,13 @@ async fn store_run(
                 }
                 let _ = h.record(start.elapsed().as_micros() as u64);
                 n += 1;
+            }
+            // What is still queued is counted inside the run's time.
+            if !queue.is_empty()
+                && let tally::store::Cas::Failed(e) =
+                    count::sharded(&ops.session, &ops.sharded, &owned, shard, &mut queue).await
+            {
+                panic!("{e:#}");
             }
             h
         }));
