@@ -215,7 +215,16 @@ impl Reconciler {
                 settled_before,
                 found: Found::default(),
             };
-            let found = pass.run(head, known).await?;
+            let found = match pass.run(head, known).await {
+                Ok(found) => found,
+                Err(e) => {
+                    // The buckets before this one are checked: an entry
+                    // behind them need not wait for a check that gets past
+                    // this one, which a damaged bucket may never allow.
+                    self.drop_entry_behind(target, &unwritten, dry_run).await;
+                    return Err(e);
+                }
+            };
             unwritten.extend(found.unwritten.map(|seq| (*bucket, seq)));
             report.add(found);
         }

@@ -521,28 +521,8 @@ async fn rows_within_the_lag_grace_are_counted_but_are_not_drift() -> TestResult
 async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals() -> TestResult {
     let env = TestEnv::new().await;
     let app = env.spawn_app().await;
-    // Two voters in two buckets, the first bucket's before the other's.
-    let mut voters: Vec<String> = vec!["gus".into()];
-    voters.extend(
-        (0..1_000)
-            .map(|i| format!("v{i}"))
-            .find(|u| env.place_of(u).0 != env.place_of("gus").0),
-    );
-    voters.sort_by_key(|u| env.place_of(u).0);
-    env.cql("INSERT INTO targets (target_id, target_type) VALUES ('video_k', 'video')")
-        .await;
-    for user in &voters {
-        env.cql(&format!(
-            "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
-             VALUES ('{user}', 'video_k', 'video', 'like', 1, '2026-01-01 00:00:00+0000')"
-        ))
-        .await;
-    }
-    let served = async || {
-        let reply = app.summary("reader", "video_k").await;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        reply.json()["items"]["video_k"]["likes"].clone()
-    };
+    let voters = two_uncounted_likes(&env, "video_k").await;
+    let served = async || likes_served(&app, "video_k").await;
     assert_eq!(served().await, 0, "the entry filled before the repair");
 
     // A reconcile with no Redis stands for one killed before its drop.
@@ -597,6 +577,87 @@ async fn a_check_that_finds_no_drift_drops_a_cache_entry_older_than_the_totals()
         assert_eq!(served().await, likes, "served after {extra:?}");
     }
     Ok(())
+}
+
+#[tokio::test]
+async fn a_check_that_fails_on_a_later_bucket_still_drops_an_entry_behind_an_earlier_one()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let voters = two_uncounted_likes(&env, "video_f").await;
+    let served = async || likes_served(&app, "video_f").await;
+    assert_eq!(served().await, 0, "the entry filled before the repair");
+
+    // A reconcile with no Redis stands for one killed before its drop; then
+    // a write of the later bucket brings that one up to date in the entry,
+    // which stays behind in the first.
+    let store = std::sync::Arc::new(
+        tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?,
+    );
+    let video = target("video_f");
+    tally::reconcile::Reconciler::new(store.clone(), None)
+        .target(&video, false)
+        .await?;
+    assert_eq!(env.stats().await["video_f"].likes(), 2);
+    let later_user = tally::domain::UserId::parse(&voters[1])?;
+    let later = store.stats.bucket_of(&later_user);
+    tally::fence::write(
+        &store.stats,
+        Some(&cache(&env)?),
+        (&video, later),
+        &[],
+        &mut MoveFence,
+    )
+    .await?;
+    assert_eq!(served().await, 1, "the entry behind in the first bucket");
+
+    // The later bucket holds a row no check can get past.
+    let (column, token) = env.place_of(&voters[1]);
+    env.cql(&format!(
+        "INSERT INTO target_stats (target_id, bucket, user_token, user_id, applied_version, applied_state) \
+         VALUES ('video_f', {column}, {token}, 'damaged', 1, 'bogus')"
+    ))
+    .await;
+    let out = env
+        .tally()
+        .args(["reconcile", "--target", "video_f", "--json"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("bogus"), "{stderr}");
+    assert_eq!(served().await, 2, "served after the failed check");
+    Ok(())
+}
+
+/// Two voters of `target` in two buckets, the first bucket's first, each
+/// with a like in `reactions` that nothing has counted.
+async fn two_uncounted_likes(env: &TestEnv, target: &str) -> Vec<String> {
+    let mut voters: Vec<String> = vec!["gus".into()];
+    voters.extend(
+        (0..1_000)
+            .map(|i| format!("v{i}"))
+            .find(|u| env.place_of(u).0 != env.place_of("gus").0),
+    );
+    voters.sort_by_key(|u| env.place_of(u).0);
+    env.cql(&format!(
+        "INSERT INTO targets (target_id, target_type) VALUES ('{target}', 'video')"
+    ))
+    .await;
+    for user in &voters {
+        env.cql(&format!(
+            "INSERT INTO reactions (user_id, target_id, target_type, state, version, updated_at) \
+             VALUES ('{user}', '{target}', 'video', 'like', 1, '2026-01-01 00:00:00+0000')"
+        ))
+        .await;
+    }
+    voters
+}
+
+/// The likes `GET /v1/votes/summary` serves for `target`.
+async fn likes_served(app: &crate::support::TestApp, target: &str) -> serde_json::Value {
+    let reply = app.summary("reader", target).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    reply.json()["items"][target]["likes"].clone()
 }
 
 fn cache(env: &TestEnv) -> anyhow::Result<tally::cache::Cache> {
