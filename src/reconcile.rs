@@ -238,8 +238,8 @@ impl Reconciler {
     /// without its write through leaves such an entry: its writer was
     /// killed between the two, or owed the entry a drop and was killed
     /// before Redis took it (the drops owed live in the process). No write
-    /// of the bucket may ever come to fix it, so every check that completes
-    /// fixes it.
+    /// of the bucket may ever come to fix it, so every check fixes it, for
+    /// the buckets it got through.
     async fn drop_entry_behind(&self, target: &TargetId, heads: &[(Bucket, i64)], dry_run: bool) {
         let Some(cache) = self
             .cache

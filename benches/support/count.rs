@@ -139,6 +139,19 @@ impl Owned {
             .unwrap_or_default()
     }
 
+    /// The applied states of `target`'s voters as its owner counted them.
+    fn states_of(&self, target: &str) -> Vec<Reaction> {
+        self.users
+            .lock()
+            .map(|u| {
+                u.iter()
+                    .filter(|((t, _), _)| t == target)
+                    .map(|(_, a)| a.state)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Every bucket the run wrote to.
     fn written(&self) -> Vec<BucketKey> {
         self.buckets
@@ -661,11 +674,23 @@ pub async fn check_sharded(session: &Session, statements: &Sharded, owned: &Owne
             }
         }
         for (target, _) in written.iter().filter(|(_, s)| *s == shard) {
-            let head = heads.get(target).copied().unwrap_or_default();
+            let head = heads
+                .get(target)
+                .copied()
+                .unwrap_or_else(|| panic!("{target} in shard {shard}: no head"));
             let tally = Totals::count(voters.remove(target).unwrap_or_default());
             assert_eq!(
                 head, tally,
                 "{target} in shard {shard}: its head says {head:?}, its voters' rows {tally:?}"
+            );
+            // A write its owner took as applied that never landed would
+            // leave the head and the rows both older, and still agreeing.
+            let (_, counted) = owned.bucket(&(target.clone(), shard));
+            let voted = Totals::count(owned.states_of(target));
+            assert_eq!(
+                (head, tally),
+                (counted, voted),
+                "{target} in shard {shard}: the store against what its owner counted"
             );
             checked += 1;
         }
