@@ -111,6 +111,9 @@ pub struct CastConfig {
     /// in the key's record before the answer, and the relay publishes what
     /// the vote's own task could not, so the answer need not hold on Kafka.
     pub publish_wait: Duration,
+    /// Cassandra's request timeout: how long one conditional write or
+    /// SERIAL read may take beyond the deadline.
+    pub request_timeout: Duration,
 }
 
 impl Default for CastConfig {
@@ -119,7 +122,23 @@ impl Default for CastConfig {
             max_attempts: 8,
             deadline: Duration::from_secs(8),
             publish_wait: Duration::ZERO,
+            request_timeout: Duration::from_millis(crate::store::REQUEST_TIMEOUT_MS),
         }
+    }
+}
+
+impl CastConfig {
+    /// The longest a vote can take from its outbox intent to the end of its
+    /// cache step, given the cache's `change_budget`. A write may start just
+    /// before the deadline and time out, and the SERIAL read that learns its
+    /// outcome takes up to another request; Redis refuses the cache step
+    /// once its budget has passed. Whatever publishes a committed vote's
+    /// transition without that vote (the relay, a replay) waits this long
+    /// first: a transition counted before the vote's own cache step would
+    /// leave that step's change beside a base that counts it, and served
+    /// twice, if the vote then never published to take it out.
+    pub fn longest_vote(&self, change_budget: Duration) -> Duration {
+        self.deadline + self.request_timeout * 2 + change_budget
     }
 }
 
@@ -197,6 +216,9 @@ struct AfterCommit {
     store: Arc<Store>,
     counts: Counts,
     publisher: Publisher,
+    /// How long a replay waits before publishing its record's transition
+    /// (`CastConfig::longest_vote`).
+    republish_after: Duration,
 }
 
 impl Caster {
@@ -208,6 +230,7 @@ impl Caster {
     ) -> Caster {
         let after = Arc::new(AfterCommit {
             store: store.clone(),
+            republish_after: config.longest_vote(counts.cache.change_budget()),
             counts: counts.clone(),
             publisher,
         });
@@ -228,6 +251,7 @@ impl Caster {
             store: store.clone(),
             counts: counts.clone(),
             publisher: self.after.publisher.clone(),
+            republish_after: self.after.republish_after,
         });
         Caster {
             store,
@@ -656,9 +680,10 @@ impl AfterCommit {
             request_id.to_owned(),
         );
         tokio::spawn(async move {
-            // The request that committed it may still be counting it in the
-            // cache; once that is over, publishing cannot overtake it.
-            tokio::time::sleep(after.counts.cache.change_budget()).await;
+            // The request that committed it may not have counted it in the
+            // cache yet: it may still be learning its outcome. Once the
+            // longest a vote takes has passed, publishing cannot overtake it.
+            tokio::time::sleep(after.republish_after).await;
             if let Ok(true) = after.store.outbox.is_resolved(slot, &user, &key).await {
                 return;
             }

@@ -30,9 +30,10 @@ use futures::StreamExt;
 #[derive(clap::Args, Debug, Clone)]
 pub struct RelayConfig {
     /// How old an intent must be before the relay checks it: longer than a
-    /// vote may take (its deadline, one request timeout, and counting the
-    /// change in the cache), so the relay never overtakes the vote.
-    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "20s", value_parser = crate::cli::values::duration_above_zero)]
+    /// vote may take (`CastConfig::longest_vote`: its deadline, two request
+    /// timeouts, and counting the change in the cache), so the relay never
+    /// overtakes the vote.
+    #[arg(long = "relay-settle", env = "TALLY_RELAY_SETTLE", default_value = "25s", value_parser = crate::cli::values::duration_above_zero)]
     pub settle: Duration,
 
     /// How often the relay makes a pass.

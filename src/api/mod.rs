@@ -196,6 +196,14 @@ pub struct ApiConfig {
 }
 
 impl ApiConfig {
+    fn cast_config(&self) -> CastConfig {
+        CastConfig {
+            publish_wait: self.publish_wait,
+            request_timeout: Duration::from_millis(self.stores.cassandra.request_timeout_ms),
+            ..CastConfig::default()
+        }
+    }
+
     /// The settings that contradict each other, each of which parsed alone.
     /// `tally vote` refuses them before it connects to anything.
     pub fn check(&self) -> Result<(), String> {
@@ -219,13 +227,13 @@ impl ApiConfig {
         // The relay must not look at a vote still in flight: it would take
         // it for one that never committed, and if the vote's own publish then
         // failed, only reconcile would count it.
-        let longest_vote = CastConfig::default().deadline
-            + Duration::from_millis(self.stores.cassandra.request_timeout_ms)
-            + self.stores.redis.change_budget();
+        let longest_vote = self
+            .cast_config()
+            .longest_vote(self.stores.redis.change_budget());
         if self.relay.settle <= longest_vote {
             return Err(format!(
                 "--relay-settle {} is not longer than a vote may take ({}: \
-                 its deadline, one Cassandra request and counting it in the cache)",
+                 its deadline, two Cassandra requests and counting it in the cache)",
                 shown(self.relay.settle),
                 shown(longest_vote)
             ));
@@ -385,10 +393,7 @@ impl Application {
             store.clone(),
             counts.clone(),
             publisher.clone(),
-            CastConfig {
-                publish_wait: config.publish_wait,
-                ..CastConfig::default()
-            },
+            config.cast_config(),
         );
         let reconciler = Reconciler::new(store.clone(), Some(cache.clone()));
         if !config.relay.disabled {

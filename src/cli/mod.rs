@@ -268,6 +268,22 @@ mod tests {
             cli.command.check()
         };
         assert!(check(&["tally", "vote", "--relay-settle", "5s"]).is_err());
+        // A vote may take its 8 s deadline, two requests of 5 s (a write
+        // that times out, then the SERIAL read of its outcome) and 2 s in
+        // the cache: 20 s.
+        assert!(check(&["tally", "vote", "--relay-settle", "20s"]).is_err());
+        assert_eq!(check(&["tally", "vote", "--relay-settle", "21s"]), Ok(()));
+        assert!(
+            check(&[
+                "tally",
+                "vote",
+                "--relay-settle",
+                "21s",
+                "--cassandra-timeout-ms",
+                "6000"
+            ])
+            .is_err()
+        );
         assert_eq!(
             check(&["tally", "vote", "--relay-settle", "5s", "--no-relay"]),
             Ok(())

@@ -24,6 +24,9 @@ use scylla::statement::{Consistency, SerialConsistency};
 use crate::domain::{Layout, UserId};
 use crate::secret::Secret;
 
+/// `--cassandra-timeout-ms` unless given.
+pub const REQUEST_TIMEOUT_MS: u64 = 5000;
+
 /// Where Cassandra is and how to talk to it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct CassandraConfig {
@@ -48,7 +51,7 @@ pub struct CassandraConfig {
     #[arg(
         long = "cassandra-timeout-ms",
         env = "TALLY_CASSANDRA_TIMEOUT_MS",
-        default_value_t = 5000,
+        default_value_t = REQUEST_TIMEOUT_MS,
         value_parser = clap::value_parser!(u64).range(1..=3_600_000)
     )]
     pub request_timeout_ms: u64,
@@ -144,7 +147,7 @@ impl CassandraConfig {
             nodes: vec!["127.0.0.1:9042".into()],
             keyspace: keyspace.into(),
             local_dc: None,
-            request_timeout_ms: 5000,
+            request_timeout_ms: REQUEST_TIMEOUT_MS,
             serial: SerialScope::LocalSerial,
             user: None,
             password: None,

@@ -220,11 +220,88 @@ async fn a_replay_of_a_vote_that_never_reached_kafka_publishes_it() -> TestResul
     let retry = app.vote("rosa", &key, "replayed", "like").await;
     assert_eq!(retry.body, first.body);
     assert!(retry.replayed(), "{:?}", retry.headers);
-    eventually("the replay to publish", Duration::from_secs(30), || async {
+    // It waits out the longest the vote it repeats may take: 20 s here.
+    eventually("the replay to publish", Duration::from_secs(45), || async {
         (env.published() == 1).then_some(())
     })
     .await;
     counted_and_served(&env, &app, &["replayed"]).await
+}
+
+/// A retry can be answered from the record while the request it repeats
+/// is still learning its own outcome (its write timed out, a replica
+/// paused), before that request has counted its change in the cache. Had
+/// the retry published at once, the consumer would count the change, and
+/// the first request's late cache step would then add it again on top of a
+/// base that counts it; if that request then died before publishing, nothing
+/// would take it out before the entry's TTL. The retry publishes only once
+/// the longest a vote takes has passed. Here the first request's Kafka and
+/// Redis are unreachable, so its own publish and cache step never come; the
+/// test makes that step 5 s after the retry, well within the 8 s deadline
+/// the first request has to learn its outcome.
+#[tokio::test]
+async fn a_replay_publishes_only_after_the_vote_it_repeats_could_have_counted_in_the_cache()
+-> TestResult {
+    use tally::cache::{Cache, Pending};
+    use tally::domain::{Reaction, TargetId, UserId};
+
+    let env = TestEnv::new().await;
+    let mut stalled = kafka_unreachable(&env);
+    stalled.stores.redis.url = format!("redis://127.0.0.1:{}", free_port());
+    let stalled = env.spawn_app_with(stalled).await;
+    let key = new_key();
+    let first = stalled.vote("ulla", &key, "late_step", "like").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+
+    // What the first request's cache step will call, made ready now so
+    // that step comes when the test says.
+    let counts = tally::counts::Counts::new(
+        Cache::new(&env.redis, Duration::from_secs(60))?,
+        std::sync::Arc::new(
+            tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?,
+        ),
+    );
+    let (ulla, target) = (UserId::parse("ulla")?, TargetId::parse("late_step")?);
+    let late_step = Pending {
+        user: &ulla,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+
+    let consumer = env.start_consumer();
+    let app = env.spawn_app().await;
+    let retry = app.vote("ulla", &key, "late_step", "like").await;
+    assert_eq!(retry.body, first.body);
+    assert!(retry.replayed(), "{:?}", retry.headers);
+    let served = async || {
+        let reply = app.summary("reader", "late_step").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["items"]["late_step"]["likes"].as_i64()
+    };
+    assert_eq!(served().await, Some(0), "nothing has counted the like yet");
+
+    // The first request learns its outcome and only now counts its change
+    // in the cache. A fixed pause, because it stands for that request's
+    // stall, not for a condition to wait on.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    counts.apply_committed(&target, &late_step).await;
+
+    // Counted ahead of a base that does not count it yet. Before, the retry
+    // published after 2 s, the consumer had counted the like by now, and
+    // this served 2, as it went on doing until the entry expired.
+    assert_eq!(served().await, Some(1), "the like, counted ahead");
+    // The retry's publish then counts it once, and the consumer's write
+    // through takes the first request's change out.
+    env.wait_until_no_drift(Duration::from_secs(45)).await;
+    eventually("the like served once", Duration::from_secs(10), || async {
+        (served().await == Some(1)).then_some(())
+    })
+    .await;
+    consumer.stop().await;
+    assert_eq!(env.published(), 1);
+    assert_eq!(served().await, Some(1));
+    Ok(())
 }
 
 #[tokio::test]
