@@ -233,18 +233,35 @@ async fn write_through(
     outcome: &Cas,
 ) {
     if let (Cas::Applied, Some(cache)) = (outcome, cache) {
+        let mut ahead = ahead.to_vec();
+        ahead.extend(past_a_gap(proposal));
         let written = Written {
             buckets: stats.layout(),
             bucket,
             seq: proposal.read_seq.unwrap_or(0) + 1,
             totals: proposal.totals,
             users: proposal.users,
-            ahead,
+            ahead: &ahead,
         };
         if let Err(e) = cache.write_through(target, &written).await {
             tracing::warn!(target_id = %target, %bucket, error = format!("{:#}", anyhow::Error::new(e)), "durable totals not written through to the cache");
         }
     }
+}
+
+/// The users a write counts past a version it never counted: a later vote
+/// of theirs reached the writer first. The earlier vote may still be
+/// learning its outcome, its cache step to come; if it then died before
+/// publishing, nothing would take that step's change out of an entry whose
+/// base counts the later vote. Marked as counted ahead, its step counts
+/// nothing.
+fn past_a_gap(proposal: &FencedWrite<'_>) -> impl Iterator<Item = (UserId, i64)> {
+    proposal
+        .users
+        .iter()
+        .zip(proposal.before)
+        .filter(|((_, now), before)| now.version > before.map_or(0, |b| b.version) + 1)
+        .map(|((user, now), _)| (user.clone(), now.version))
 }
 
 /// A round that found its events counted already writes nothing, so
@@ -343,7 +360,47 @@ async fn settle_pending(
 mod tests {
     use std::time::Duration;
 
-    use super::{LOST_BEFORE_BACKOFF, lost_backoff};
+    use super::{LOST_BEFORE_BACKOFF, lost_backoff, past_a_gap};
+    use crate::domain::{Applied, Reaction, Totals, UserId};
+    use crate::store::stats::FencedWrite;
+
+    #[test]
+    fn users_counted_past_a_version_never_counted_are_marked_at_the_version_counted() {
+        let at = |version, state| Applied { version, state };
+        let user = |name: &str| UserId::parse(name).unwrap_or_else(|e| panic!("{e}"));
+        let users = [
+            (user("next"), at(3, Reaction::Like)),
+            (user("skipped"), at(4, Reaction::None)),
+            (user("first"), at(1, Reaction::Like)),
+            (user("first_seen_late"), at(2, Reaction::Dislike)),
+            (user("forgotten"), at(2, Reaction::Like)),
+        ];
+        let before = [
+            Some(at(2, Reaction::None)),
+            Some(at(2, Reaction::Like)),
+            None,
+            None,
+            Some(Applied::NEVER),
+        ];
+        let proposal = FencedWrite {
+            read_seq: Some(7),
+            totals: Totals::default(),
+            target_type: None,
+            users: &users,
+            before: &before,
+        };
+        let marked: Vec<(String, i64)> = past_a_gap(&proposal)
+            .map(|(u, v)| (u.as_str().to_owned(), v))
+            .collect();
+        assert_eq!(
+            marked,
+            [
+                ("skipped".to_owned(), 4),
+                ("first_seen_late".to_owned(), 2),
+                ("forgotten".to_owned(), 2)
+            ]
+        );
+    }
 
     #[test]
     fn the_first_lost_rounds_go_again_at_once() {

@@ -247,9 +247,11 @@ impl CacheError {
 //   p:<user>     a pending change, "version|to|from|ms": the vote path counted
 //                the user at `to` (their row at `version`) at `ms`, and the
 //                base counts them at `from`
-//   c:<user>     "version|ms": reconcile counted the user's row at `version`
-//                in a base at `ms`, ahead of the vote that changed it; that
-//                vote's own change, if it comes later, is already counted
+//   c:<user>     "version|ms": a base at `ms` counted the user's row at
+//                `version` ahead of a vote that changed it (reconcile's
+//                recount, or the consumer counting a later vote's event
+//                first); that vote's own change, if it comes later, is
+//                already counted
 //   g            the fence of fills: a token set before a fill reads the
 //                durable heads, which the fill must find unchanged to land.
 //                A drop (DEL, eviction, FLUSHALL, a restart that keeps
@@ -633,7 +635,8 @@ pub struct Written<'a> {
     pub totals: Totals,
     pub users: &'a [(UserId, Applied)],
     /// Those of `users` counted ahead of the vote that changed them (whose
-    /// cache step may still be to come): reconcile's, never the consumer's.
+    /// cache step may still be to come): reconcile's, and the consumer's
+    /// users counted past a version it never counted.
     pub ahead: &'a [(UserId, i64)],
 }
 

@@ -1430,6 +1430,75 @@ async fn a_count_that_landed_without_its_write_through_is_served_once_the_consum
     Ok(())
 }
 
+/// A vote whose write timed out learns its outcome by a SERIAL read, which
+/// can take until its deadline (a replica paused). Meanwhile the same user
+/// votes again from another tab, and that later vote's event is counted
+/// first, past the version the consumer never counted. The earlier vote's
+/// cache step then comes, and its process dies before it publishes (here:
+/// its Kafka and Redis unreachable, its step made by the test 3 s later).
+/// The write that counted past the gap marked the user, so the late step
+/// counts nothing; before, the summary served the like that had been
+/// taken back until a later write found the change 30 s old, or the TTL.
+#[tokio::test]
+async fn a_late_cache_step_of_a_vote_a_later_one_was_counted_past_counts_nothing() -> TestResult {
+    use tally::cache::{Cache, Pending};
+    use tally::domain::{TargetId, UserId};
+
+    let env = TestEnv::new().await;
+    let mut stalled = env.api_config();
+    stalled.stores.kafka.brokers = format!("127.0.0.1:{}", free_port());
+    stalled.publish_timeout = Duration::from_millis(500);
+    stalled.stores.redis.url = format!("redis://127.0.0.1:{}", free_port());
+    let stalled = env.spawn_app_with(stalled).await;
+    let app = env.spawn_app().await;
+    let counts = tally::counts::Counts::new(
+        Cache::new(&env.redis, Duration::from_secs(60))?,
+        Arc::new(tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?),
+    );
+    let (vera, target) = (UserId::parse("vera")?, TargetId::parse("gapped")?);
+    let served = async || {
+        let reply = app.summary("reader", "gapped").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["items"]["gapped"]["likes"].as_i64()
+    };
+
+    let like = stalled.vote("vera", new_key(), "gapped", "like").await;
+    assert_eq!(like.status, 200, "{}", like.body);
+    assert_eq!(served().await, Some(0), "nothing has counted the like");
+    let consumer = env.start_consumer();
+    let undo = app.vote("vera", new_key(), "gapped", "none").await;
+    assert_eq!(undo.status, 200, "{}", undo.body);
+    assert_eq!(
+        env.reaction("vera", "gapped").await,
+        Some(("none".into(), 2))
+    );
+    eventually(
+        "the consumer to count her second version",
+        Duration::from_secs(30),
+        || async { (consumer.processed() >= 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(served().await, Some(0));
+
+    // The like's late cache step, a few seconds after its commit: well
+    // within the longest a vote may take. A fixed pause, because it stands
+    // for that vote's stall, not for a condition to wait on.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let late_step = Pending {
+        user: &vera,
+        version: 1,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    counts.apply_committed(&target, &late_step).await;
+    assert_eq!(served().await, Some(0), "the late step counted the like");
+
+    env.wait_until_no_drift(Duration::from_secs(30)).await;
+    consumer.stop().await;
+    assert_eq!(served().await, Some(0));
+    Ok(())
+}
+
 /// A Redis that comes back from a snapshot (or a replica promoted after it
 /// missed the last writes through) holds entries older than writes whose
 /// writes through it never saw, fence and all: no fill is wrong there,
