@@ -116,6 +116,90 @@ async fn a_poison_message_is_dead_lettered_and_the_partition_keeps_flowing() -> 
     Ok(())
 }
 
+/// A message near the transitions topic's size limit could not be sent to
+/// the dead-letter topic whole: librdkafka refuses a message over its own
+/// 1,000,000 bytes, and the headers add to it. Since an event is never
+/// skipped, the consumer tried again forever and counted nothing behind it.
+/// Now a dead letter keeps the first 64 KiB, with the whole length and
+/// SHA-256 in headers.
+#[tokio::test]
+async fn a_message_too_large_to_dead_letter_whole_is_dead_lettered_cut() -> TestResult {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use sha2::{Digest, Sha256};
+    use tally::bus::dead_letter::{
+        KEPT_PAYLOAD, ORIGINAL_BYTES_HEADER, ORIGINAL_KEY_BYTES_HEADER, ORIGINAL_SHA256_HEADER,
+    };
+
+    let env = TestEnv::new().await;
+    // Under the topic's 1,048,588 bytes, over what a producer takes by
+    // default: whoever can write to the topic can send it.
+    let garbage: Vec<u8> = (0..1_040_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let producer: FutureProducer = env
+        .kafka
+        .client()
+        .set("message.max.bytes", "1048576")
+        .create()?;
+    producer
+        .send(
+            FutureRecord::to(&env.kafka.topic)
+                .key("video_big")
+                .payload(&garbage),
+            Duration::from_secs(30),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
+    // Same key, so the same partition: the valid event is behind it.
+    env.publish_transition("wanda", "video_big", "none", "like", 1)
+        .await;
+    let consumer = env.start_consumer_trusting();
+    processed_at_least(&consumer, 2).await;
+    let dead = consumer
+        .progress
+        .dead_lettered
+        .load(std::sync::atomic::Ordering::Relaxed);
+    consumer.stop().await;
+    assert_eq!(dead, 1);
+    assert_eq!(env.stats().await["video_big"].likes(), 1);
+
+    let dlq: StreamConsumer = env
+        .kafka
+        .client()
+        .set(
+            "group.id",
+            format!("{}-dlq-{}", env.group, uuid::Uuid::new_v4()),
+        )
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    dlq.subscribe(&[&env.kafka.dead_letter_topic])?;
+    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.stream().next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+    let header = |name: &str| {
+        letter
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == name).and_then(|h| h.value))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    assert_eq!(letter.payload(), Some(&garbage[..KEPT_PAYLOAD]));
+    assert_eq!(letter.key(), Some(&b"video_big"[..]));
+    assert_eq!(header(ORIGINAL_BYTES_HEADER).as_deref(), Some("1040000"));
+    assert_eq!(
+        header(ORIGINAL_SHA256_HEADER),
+        Some(hex::encode(Sha256::digest(&garbage)))
+    );
+    assert_eq!(
+        header(ORIGINAL_KEY_BYTES_HEADER),
+        None,
+        "the key was kept whole"
+    );
+    assert!(
+        header("tally-dlq-reason").is_some_and(|r| r.contains("not a transition")),
+        "{:?}",
+        header("tally-dlq-reason")
+    );
+    Ok(())
+}
+
 /// The first `n` dead letters: each one's key and reason.
 async fn dead_letters(env: &TestEnv, n: usize) -> Result<Vec<(String, String)>, anyhow::Error> {
     let dlq: StreamConsumer = env
