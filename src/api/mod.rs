@@ -207,6 +207,7 @@ impl ApiConfig {
     /// The settings that contradict each other, each of which parsed alone.
     /// `tally vote` refuses them before it connects to anything.
     pub fn check(&self) -> Result<(), String> {
+        targets::TargetPolicy::new(&self.targets).map_err(|e| format!("{e:#}"))?;
         self.stores.kafka.event_key()?;
         if self.min_in_flight > self.max_in_flight {
             return Err(format!(
@@ -583,6 +584,14 @@ fn access_log(res: &ServiceResponse<impl MessageBody>, id: &str, elapsed: Durati
     }
 }
 
+/// The method and the path as the router matches them: with percent
+/// escapes decoded, so `/v1/vote%73` is `/v1/votes` here as it is there.
+/// `path()` is the URI's as sent, and a request spelled that way would
+/// reach the handler past every check that compared it.
+fn routed(req: &ServiceRequest) -> (&str, &str) {
+    (req.method().as_str(), req.match_info().as_str())
+}
+
 /// Admits a vote or a summary request, or refuses it with 503 before any
 /// of its work (the token's signature, the body, the stores). A vote's
 /// permit goes into the request, for the vote's own task to hold.
@@ -590,7 +599,7 @@ async fn admit(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
-    let admission = match (req.method().as_str(), req.path()) {
+    let admission = match routed(&req) {
         ("POST", "/v1/votes") => req.app_data::<web::Data<AppState>>().map(|s| &s.votes),
         ("GET", "/v1/votes/summary") => req.app_data::<web::Data<AppState>>().map(|s| &s.summaries),
         _ => None,
@@ -615,7 +624,7 @@ async fn read_body(
     mut req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
-    if (req.method().as_str(), req.path()) != ("POST", "/v1/votes") {
+    if routed(&req) != ("POST", "/v1/votes") {
         return next
             .call(req)
             .await
@@ -671,7 +680,7 @@ async fn observe(
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_owned);
     req.extensions_mut().insert(RequestId(id.clone()));
-    let latency = match (req.method().as_str(), req.path()) {
+    let latency = match routed(&req) {
         ("POST", "/v1/votes") => Some(crate::metrics::VOTE_WRITE_SECONDS),
         ("GET", "/v1/votes/summary") => Some(crate::metrics::VOTE_READ_SECONDS),
         _ => None,

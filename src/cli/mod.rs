@@ -262,6 +262,35 @@ mod tests {
     }
 
     #[test]
+    fn a_target_id_pattern_that_can_mean_nothing_is_refused_before_connecting() {
+        let check = |pattern: &[&str]| {
+            let args = [&["tally", "vote"][..], pattern].concat();
+            let cli = Cli::try_parse_from(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            cli.command.check()
+        };
+        assert_eq!(check(&["--target-id-pattern", "video=v_[0-9]+"]), Ok(()));
+        for bad in [
+            &["--target-id-pattern", "video=("][..],
+            &["--target-id-pattern", "movie=x"],
+            &["--target-id-pattern", "no equals sign"],
+            &[
+                "--target-id-pattern",
+                "video=a",
+                "--target-id-pattern",
+                "video=b",
+            ],
+        ] {
+            let refused = check(bad);
+            assert!(
+                refused
+                    .as_ref()
+                    .is_err_and(|e| e.contains("--target-id-pattern")),
+                "{bad:?}: {refused:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_vote_without_a_relay_needs_no_settle_longer_than_a_vote() {
         let check = |args: &[&str]| {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));

@@ -749,6 +749,57 @@ async fn bodies_trickled_a_byte_at_a_time_hold_no_place_and_time_out_with_408() 
     Ok(())
 }
 
+/// The router decodes percent escapes, so `/v1/vote%73` is the vote
+/// endpoint. The body deadline and admission looked at the path as sent,
+/// and such a request went past both: its body was read with no deadline,
+/// and it took no place under the admission limit.
+#[tokio::test]
+async fn a_vote_path_spelled_with_percent_escapes_meets_the_same_body_deadline() -> TestResult {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        body_timeout: Duration::from_secs(2),
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let addr = app.address.trim_start_matches("http://").to_owned();
+
+    // The same endpoint: a well-formed vote spelled this way is taken.
+    let reply = app
+        .send(
+            app.client
+                .post(format!("{}/v1/vote%73", app.address))
+                .bearer_auth(token("escaped"))
+                .header("Idempotency-Key", new_key())
+                .json(&serde_json::json!({
+                    "target_id": "video_escaped", "target_type": "video", "action": "like"
+                })),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+
+    // Headers, one byte of an 80-byte body, then nothing.
+    let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+    let head = format!(
+        "POST /v1/vote%73 HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+         Idempotency-Key: {}\r\nContent-Type: application/json\r\n\
+         Content-Length: 80\r\n\r\n ",
+        token("stalling"),
+        new_key()
+    );
+    conn.write_all(head.as_bytes()).await?;
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(15), conn.read(&mut answer))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer in 15 s: no deadline on the body"))??;
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(
+        answer.starts_with("HTTP/1.1 408") && answer.contains("body_timeout"),
+        "{answer}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_retry_of_a_committed_vote_gets_its_answer_while_its_user_is_rate_limited() -> TestResult
 {
