@@ -206,6 +206,14 @@ pub async fn run(
             ),
             None => {
                 for stmt in statements(m.cql) {
+                    if let Some((table, columns)) = added_columns(&stmt)
+                        && has_columns(session, keyspace, table, &columns).await?
+                    {
+                        // An earlier run applied it and stopped before it
+                        // recorded the migration: added again, it would fail.
+                        tracing::info!(migration = m.id, statement = %stmt, "already applied");
+                        continue;
+                    }
                     ddl(session, &stmt)
                         .await
                         .with_context(|| format!("migration {} failed", m.id))?;
@@ -261,6 +269,47 @@ async fn fix_layout(
     Ok(fixed)
 }
 
+/// The table and the columns an `ALTER TABLE t ADD ...` adds; `None` for
+/// any other statement. The one statement of a migration that cannot be
+/// run twice: every other one says `IF [NOT] EXISTS`.
+fn added_columns(stmt: &str) -> Option<(&str, Vec<&str>)> {
+    let rest = stmt.trim().strip_prefix("ALTER TABLE ")?;
+    let (table, added) = rest.split_once(" ADD ")?;
+    let added = added.trim();
+    let added = added
+        .strip_prefix('(')
+        .and_then(|a| a.strip_suffix(')'))
+        .unwrap_or(added);
+    let columns: Vec<&str> = added
+        .split(',')
+        .filter_map(|c| c.split_whitespace().next())
+        .collect();
+    (!columns.is_empty()).then_some((table.trim(), columns))
+}
+
+/// Whether `table` has every one of `columns`.
+async fn has_columns(
+    session: &Session,
+    keyspace: &str,
+    table: &str,
+    columns: &[&str],
+) -> anyhow::Result<bool> {
+    let present: Vec<(String,)> = session
+        .query_unpaged(
+            "SELECT column_name FROM system_schema.columns WHERE keyspace_name = ? AND table_name = ?",
+            (keyspace, table),
+        )
+        .await
+        .with_context(|| format!("Failed to read the columns of {table}"))?
+        .into_rows_result()
+        .context("system_schema.columns answered no rows")?
+        .rows::<(String,)>()
+        .context("system_schema.columns has unexpected columns")?
+        .collect::<Result<_, _>>()
+        .context("system_schema.columns has unexpected columns")?;
+    Ok(columns.iter().all(|c| present.iter().any(|(p,)| p == c)))
+}
+
 /// Schema changes wait for every node; they get far longer than queries.
 const DDL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -314,6 +363,25 @@ mod tests {
             &"k".repeat(49),
         ] {
             assert!(check_keyspace_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_columns_an_alter_adds_are_read_from_either_form() {
+        assert_eq!(
+            added_columns("ALTER TABLE reactions ADD (transition text, intent_bucket bigint)"),
+            Some(("reactions", vec!["transition", "intent_bucket"]))
+        );
+        assert_eq!(
+            added_columns("\nALTER TABLE target_stats ADD loves bigint static"),
+            Some(("target_stats", vec!["loves"]))
+        );
+        for other in [
+            "CREATE TABLE IF NOT EXISTS a (x int PRIMARY KEY)",
+            "DROP TABLE IF EXISTS target_stats",
+            "ALTER TABLE a WITH comment = 'x'",
+        ] {
+            assert_eq!(added_columns(other), None, "{other}");
         }
     }
 

@@ -127,6 +127,45 @@ async fn migrate_twice_applies_nothing_the_second_time_and_keeps_the_bucket_coun
     Ok(())
 }
 
+/// A run that applied a migration's statements and stopped before it
+/// recorded the migration (killed, or schema agreement timed out after the
+/// last statement) leaves columns an `ALTER TABLE ... ADD` made. Run again,
+/// that statement used to fail ("already exists") every time, and tally
+/// could not start until someone fixed the keyspace by hand.
+#[tokio::test]
+async fn migrate_finishes_migrations_an_earlier_run_applied_but_did_not_record() -> TestResult {
+    let env = TestEnv::new().await;
+    let session = store::connect(&env.cassandra).await?;
+    env.cql(
+        "INSERT INTO reactions (user_id, target_id, state, version, intent_shard) \
+         VALUES ('kept', 'video_kept', 'like', 1, 3)",
+    )
+    .await;
+    for id in ["0004_outbox", "0006_intent_shard"] {
+        env.cql(&format!("DELETE FROM schema_migrations WHERE id = '{id}'"))
+            .await;
+    }
+    let simple = store::migrate::Replication::Simple(1);
+    let again = store::migrate::run(&session, &env.cassandra.keyspace, &simple, None).await?;
+    assert_eq!(again.applied, ["0004_outbox", "0006_intent_shard"]);
+    let shard: Option<i32> = session
+        .query_unpaged(
+            format!(
+                "SELECT intent_shard FROM {}.reactions WHERE user_id = 'kept' AND target_id = 'video_kept'",
+                env.cassandra.keyspace
+            ),
+            (),
+        )
+        .await?
+        .into_rows_result()?
+        .maybe_first_row::<(Option<i32>,)>()?
+        .and_then(|(s,)| s);
+    assert_eq!(shard, Some(3), "the column and its value are still there");
+    let after = store::migrate::run(&session, &env.cassandra.keyspace, &simple, None).await?;
+    assert!(after.applied.is_empty(), "{:?}", after.applied);
+    Ok(())
+}
+
 #[test]
 fn tally_help_lists_every_subcommand() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
