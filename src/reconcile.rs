@@ -288,6 +288,13 @@ impl Reconciler {
     /// checkpoint after every page, inside a large target every
     /// `CHECKPOINT_EVERY` and when stopped, and clears it when the sweep
     /// completes.
+    /// Whether Cassandra answers at all. A check that failed while it does
+    /// failed on its target (a damaged row, a partition too costly to read),
+    /// and a sweep passes over it rather than stopping there for good.
+    pub async fn store_answers(&self) -> bool {
+        self.store.ping().await.is_ok()
+    }
+
     pub async fn sweep(
         &self,
         options: &SweepOptions,
@@ -372,6 +379,11 @@ impl Reconciler {
                         cp.last_token = Some(token);
                         continue;
                     }
+                    Err(ReconcileError::Store(e)) if self.store_answers().await => {
+                        summary.fail(&target, e);
+                        cp.last_token = Some(token);
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 }
                 cp.checked += 1;
@@ -392,9 +404,10 @@ impl Reconciler {
 }
 
 /// How long after its row changed a vote may still be counting the change
-/// in the cache: its 8 s deadline, then the cache step's own (about 2 s),
-/// with room for the clocks of the hosts to disagree.
-const VOTE_CACHE_WINDOW: Duration = Duration::from_secs(20);
+/// in the cache: `CastConfig::longest_vote` with the default settings (its
+/// 8 s deadline, two Cassandra requests of 5 s, the cache step's 2 s), with
+/// room for the clocks of the hosts to disagree.
+const VOTE_CACHE_WINDOW: Duration = Duration::from_secs(30);
 
 /// How often a sweep inside one large target saves where it is.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(10);
@@ -743,6 +756,9 @@ pub struct SweepSummary {
     /// left for the next sweep.
     pub targets_skipped: u64,
     pub skipped: Vec<String>,
+    /// Targets whose check failed while Cassandra answered, passed over.
+    pub targets_failed: u64,
+    pub failed: Vec<Failed>,
     /// Users counted ahead of the consumer, within the lag grace (not drift).
     pub users_in_flight: u64,
     pub corrections: Vec<Report>,
@@ -752,7 +768,27 @@ pub struct SweepSummary {
     pub complete: bool,
 }
 
+/// A target whose check failed, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failed {
+    pub target_id: String,
+    pub error: String,
+}
+
 impl SweepSummary {
+    /// Records a target whose check failed, and logs why.
+    pub fn fail(&mut self, target: &TargetId, e: StoreError) {
+        let error = format!("{:#}", anyhow::Error::new(e));
+        tracing::error!(target_id = %target, error = %error, "target not checked; passed over");
+        self.targets_failed += 1;
+        if self.failed.len() < MAX_LISTED {
+            self.failed.push(Failed {
+                target_id: target.to_string(),
+                error,
+            });
+        }
+    }
+
     /// Adds one target's report.
     pub fn record(&mut self, report: Report) {
         self.targets_checked += 1;

@@ -86,6 +86,9 @@ const DRIFT_FOUND: u8 = 3;
 /// Exit status of `tally reconcile --target` when a named target could not
 /// be checked: another writer kept moving its fence.
 const NOT_CHECKED: u8 = 4;
+/// Exit status when the check of a target failed while Cassandra answered
+/// (a damaged row, a partition too costly to read): the others were checked.
+const CHECK_FAILED: u8 = 5;
 
 pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let store = Arc::new(Store::open(&args.cassandra, Duration::from_secs(1)).await?);
@@ -118,7 +121,9 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     } else {
         print!("{}", text_report(&summary));
     }
-    Ok(if args.fail_on_drift && summary.targets_drifted > 0 {
+    Ok(if summary.targets_failed > 0 {
+        ExitCode::from(CHECK_FAILED)
+    } else if args.fail_on_drift && summary.targets_drifted > 0 {
         ExitCode::from(DRIFT_FOUND)
     } else if !args.all && summary.targets_skipped > 0 {
         ExitCode::from(NOT_CHECKED)
@@ -142,6 +147,10 @@ async fn each_target(
             Err(ReconcileError::Contention(id)) => {
                 summary.targets_skipped += 1;
                 summary.skipped.push(id);
+                continue;
+            }
+            Err(ReconcileError::Store(e)) if reconciler.store_answers().await => {
+                summary.fail(target, e);
                 continue;
             }
             Err(e) => return Err(e.into()),
@@ -196,6 +205,8 @@ fn json_report(summary: &SweepSummary, dry_run: bool) -> serde_json::Value {
         "targets_skipped": summary.targets_skipped,
         "users_in_flight": summary.users_in_flight,
         "skipped": summary.skipped,
+        "targets_failed": summary.targets_failed,
+        "failed": summary.failed,
         "dry_run": dry_run,
         "complete": summary.complete,
         "resumed_from_token": summary.resumed_from,
@@ -219,6 +230,9 @@ fn text_report(summary: &SweepSummary) -> String {
     }
     for id in &summary.skipped {
         out += &format!("{id}: skipped, the consumer kept writing it; the next sweep retries it\n");
+    }
+    for f in &summary.failed {
+        out += &format!("{}: not checked: {}\n", f.target_id, f.error);
     }
     let interrupted = if summary.complete {
         ""

@@ -629,6 +629,63 @@ async fn a_check_that_fails_on_a_later_bucket_still_drops_an_entry_behind_an_ear
     Ok(())
 }
 
+/// A target whose check always fails while Cassandra answers (here a row
+/// of a state no release wrote) used to stop `--all` where it stood: the
+/// run exited 1, and the next resumed just before that target and failed
+/// on it again, so no target after it in token order was checked again.
+/// Now the sweep passes over it, reports it, and exits 5.
+#[tokio::test]
+async fn a_sweep_passes_over_a_target_whose_check_fails_and_repairs_the_rest() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    // Likes nothing has counted: every target has drifted.
+    for i in 0..6 {
+        let reply = app
+            .vote(
+                "fay",
+                crate::support::new_key(),
+                &format!("video_s{i}"),
+                "like",
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let store = tally::store::Store::open(&env.cassandra, Duration::from_secs(60)).await?;
+    let in_order = store.targets.page(None, 100).await?;
+    assert_eq!(in_order.len(), 6);
+    // The first in token order: before, the sweep stopped before all the rest.
+    let damaged = in_order[0].0.to_string();
+    let (bucket, token) = env.place_of("fay");
+    env.cql(&format!(
+        "INSERT INTO target_stats (target_id, bucket, user_token, user_id, applied_version, applied_state) \
+         VALUES ('{damaged}', {bucket}, {token}, 'damaged', 1, 'bogus')"
+    ))
+    .await;
+
+    let out = env
+        .tally()
+        .args(["reconcile", "--all", "--rate", "0", "--json"])
+        .output()?;
+    let summary = json_of(&out);
+    assert_eq!(out.status.code(), Some(5), "{summary}");
+    assert_eq!(summary["targets_failed"], 1, "{summary}");
+    assert_eq!(summary["failed"][0]["target_id"], damaged.as_str());
+    assert!(
+        summary["failed"][0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("bogus")),
+        "{summary}"
+    );
+    assert_eq!(summary["targets_checked"], 5, "{summary}");
+    assert_eq!(summary["complete"], true);
+    let (stats, truth) = (env.stats().await, env.recount().await);
+    for (id, _) in &in_order[1..] {
+        let id = id.as_str();
+        assert_eq!(stats.get(id), truth.get(id), "{id} repaired");
+    }
+    Ok(())
+}
+
 /// Two voters of `target` in two buckets, the first bucket's first, each
 /// with a like in `reactions` that nothing has counted.
 async fn two_uncounted_likes(env: &TestEnv, target: &str) -> Vec<String> {
