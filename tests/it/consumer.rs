@@ -161,16 +161,7 @@ async fn a_message_too_large_to_dead_letter_whole_is_dead_lettered_cut() -> Test
     assert_eq!(dead, 1);
     assert_eq!(env.stats().await["video_big"].likes(), 1);
 
-    let dlq: StreamConsumer = env
-        .kafka
-        .client()
-        .set(
-            "group.id",
-            format!("{}-dlq-{}", env.group, uuid::Uuid::new_v4()),
-        )
-        .set("auto.offset.reset", "earliest")
-        .create()?;
-    dlq.subscribe(&[&env.kafka.dead_letter_topic])?;
+    let dlq = dead_letter_reader(&env)?;
     let letter = tokio::time::timeout(Duration::from_secs(30), dlq.stream().next())
         .await?
         .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
@@ -200,8 +191,8 @@ async fn a_message_too_large_to_dead_letter_whole_is_dead_lettered_cut() -> Test
     Ok(())
 }
 
-/// The first `n` dead letters: each one's key and reason.
-async fn dead_letters(env: &TestEnv, n: usize) -> Result<Vec<(String, String)>, anyhow::Error> {
+/// A consumer of the dead-letter topic from its start, in a group of its own.
+fn dead_letter_reader(env: &TestEnv) -> Result<StreamConsumer, anyhow::Error> {
     let dlq: StreamConsumer = env
         .kafka
         .client()
@@ -212,6 +203,12 @@ async fn dead_letters(env: &TestEnv, n: usize) -> Result<Vec<(String, String)>, 
         .set("auto.offset.reset", "earliest")
         .create()?;
     dlq.subscribe(&[&env.kafka.dead_letter_topic])?;
+    Ok(dlq)
+}
+
+/// The first `n` dead letters: each one's key and reason.
+async fn dead_letters(env: &TestEnv, n: usize) -> Result<Vec<(String, String)>, anyhow::Error> {
+    let dlq = dead_letter_reader(env)?;
     let mut letters = Vec::new();
     let mut stream = dlq.stream();
     while letters.len() < n {
