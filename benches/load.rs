@@ -464,7 +464,7 @@ fn api_config(env: &support::BenchEnv, kafka: tally::bus::KafkaConfig) -> tally:
         demo: false,
         consumer_group: format!("bench-e2e-{}", std::process::id()),
         relay: tally::relay::RelayConfig {
-            settle: Duration::from_secs(20),
+            settle: Duration::from_secs(25),
             interval: Duration::from_secs(2),
             horizon: Duration::from_secs(900),
             disabled: false,

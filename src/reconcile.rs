@@ -37,7 +37,7 @@ use crate::store::{Cas, Store, StoreError};
 pub const DEFAULT_MAX_FENCE_LOSSES: u32 = 20;
 
 /// How recently a row may have changed and still be waiting for the
-/// consumer: the relay's settle time (20 s) plus its interval and a
+/// consumer: the relay's settle time (25 s) plus its interval and a
 /// consumer's ordinary lag, with room to spare.
 pub const DEFAULT_LAG_GRACE: Duration = Duration::from_secs(60);
 
@@ -283,18 +283,20 @@ impl Reconciler {
         );
     }
 
+    /// Whether Cassandra answers a read at QUORUM. A check that failed while
+    /// it does failed on its target (a damaged row, a partition too costly
+    /// to read), and a sweep passes over it rather than stopping there for
+    /// good; with a quorum lost, every target would fail alike.
+    pub async fn store_answers(&self) -> bool {
+        self.store.answers_at_quorum().await
+    }
+
     /// Sweeps every target in the registry, in token order, at most `rate`
     /// per second, from the checkpoint `name` (unless `restart`). Saves the
     /// checkpoint after every page, inside a large target every
     /// `CHECKPOINT_EVERY` and when stopped, and clears it when the sweep
-    /// completes.
-    /// Whether Cassandra answers at all. A check that failed while it does
-    /// failed on its target (a damaged row, a partition too costly to read),
-    /// and a sweep passes over it rather than stopping there for good.
-    pub async fn store_answers(&self) -> bool {
-        self.store.ping().await.is_ok()
-    }
-
+    /// completes. A target whose check fails while a quorum answers is
+    /// passed over and reported.
     pub async fn sweep(
         &self,
         options: &SweepOptions,

@@ -31,6 +31,9 @@ pub const ORIGINAL_KEY_BYTES_HEADER: &str = "tally-dlq-original-key-bytes";
 pub const KEPT_PAYLOAD: usize = 64 * 1024;
 /// The most of a key a dead letter carries (tally's keys are target ids).
 pub const KEPT_KEY: usize = 1024;
+/// The most of a reason a dead letter carries: a parse error quotes the
+/// value it refused, which can be as long as the payload.
+pub const KEPT_REASON: usize = 4096;
 
 pub struct DeadLetters {
     producer: FutureProducer,
@@ -56,10 +59,11 @@ impl DeadLetters {
     /// (and for the payload its SHA-256) in headers.
     pub async fn send(&self, m: &Received, reason: &str) -> anyhow::Result<()> {
         let (partition, offset) = (m.partition.to_string(), m.offset.to_string());
+        let reason = cut_reason(reason);
         let mut headers = OwnedHeaders::new()
             .insert(Header {
                 key: REASON_HEADER,
-                value: Some(reason),
+                value: Some(reason.as_ref()),
             })
             .insert(Header {
                 key: SOURCE_TOPIC_HEADER,
@@ -113,4 +117,32 @@ impl DeadLetters {
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
     hex::encode(Sha256::digest(bytes))
+}
+
+/// `reason`, or its first `KEPT_REASON` bytes (at a character's edge) and
+/// how long it was.
+fn cut_reason(reason: &str) -> std::borrow::Cow<'_, str> {
+    if reason.len() <= KEPT_REASON {
+        return reason.into();
+    }
+    let mut end = KEPT_REASON;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{} ... (cut from {} bytes)", &reason[..end], reason.len()).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KEPT_REASON, cut_reason};
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character_edge_and_says_so() {
+        assert_eq!(cut_reason("short"), "short");
+        let long = format!("a{}", "é".repeat(KEPT_REASON));
+        let cut = cut_reason(&long);
+        assert!(cut.len() < KEPT_REASON + 40, "{}", cut.len());
+        assert!(cut.starts_with("aé"));
+        assert!(cut.ends_with(&format!(" ... (cut from {} bytes)", long.len())));
+    }
 }

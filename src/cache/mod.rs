@@ -517,10 +517,10 @@ return taken
 /// through (its writer had no Redis, died between the two, or timed out and
 /// landed after all), or its write through is still on the way, and a drop
 /// is safe either way. No entry, no drop. An entry no fill has armed holds
-/// reconcile's marks alone and serves nothing: it is not behind (its fill
-/// will read the heads after arming), and a drop would take the marks. An
-/// armed one with no base of a bucket is behind any head of it: its fill
-/// may have read the heads before that write landed. An entry kept is asked
+/// marks alone (reconcile's, or the consumer's) and serves nothing: it is
+/// not behind (its fill will read the heads after arming), and a drop would
+/// take the marks. An armed one with no base of a bucket is behind any head
+/// of it: its fill may have read the heads before that write landed. An entry kept is asked
 /// whether it holds a pending change of any of the round's users, which
 /// only a settle takes out.
 /// ARGV: k, then k times bucket and seq, then the users.

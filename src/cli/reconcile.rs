@@ -121,10 +121,11 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     } else {
         print!("{}", text_report(&summary));
     }
-    Ok(if summary.targets_failed > 0 {
-        ExitCode::from(CHECK_FAILED)
-    } else if args.fail_on_drift && summary.targets_drifted > 0 {
+    // Drift found is what `--fail-on-drift` asks about: it comes first.
+    Ok(if args.fail_on_drift && summary.targets_drifted > 0 {
         ExitCode::from(DRIFT_FOUND)
+    } else if summary.targets_failed > 0 {
+        ExitCode::from(CHECK_FAILED)
     } else if !args.all && summary.targets_skipped > 0 {
         ExitCode::from(NOT_CHECKED)
     } else {

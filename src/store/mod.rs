@@ -557,6 +557,12 @@ pub fn was_applied(result: scylla::response::query_result::QueryResult) -> anyho
 }
 
 impl Store {
+    /// Whether a read at QUORUM of the keyspace's own data is answered: one
+    /// node answering alone is not enough.
+    pub async fn answers_at_quorum(&self) -> bool {
+        read_layout(&self.session).await.is_ok()
+    }
+
     /// A cheap round trip to Cassandra, for readiness.
     pub async fn ping(&self) -> anyhow::Result<()> {
         self.session

@@ -148,17 +148,31 @@ async fn a_message_too_large_to_dead_letter_whole_is_dead_lettered_cut() -> Test
         )
         .await
         .map_err(|(e, _)| e)?;
-    // Same key, so the same partition: the valid event is behind it.
+    // A transition whose state is a megabyte long: the parse error quotes it.
+    let long_state = format!(
+        r#"{{"target_id":"video_big","target_type":"video","user_id":"u","from":"none","to":"{}","version":1,"occurred_at":"x"}}"#,
+        "x".repeat(1_000_000)
+    );
+    producer
+        .send(
+            FutureRecord::to(&env.kafka.topic)
+                .key("video_big")
+                .payload(long_state.as_bytes()),
+            Duration::from_secs(30),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
+    // Same key, so the same partition: the valid event is behind them.
     env.publish_transition("wanda", "video_big", "none", "like", 1)
         .await;
     let consumer = env.start_consumer_trusting();
-    processed_at_least(&consumer, 2).await;
+    processed_at_least(&consumer, 3).await;
     let dead = consumer
         .progress
         .dead_lettered
         .load(std::sync::atomic::Ordering::Relaxed);
     consumer.stop().await;
-    assert_eq!(dead, 1);
+    assert_eq!(dead, 2);
     assert_eq!(env.stats().await["video_big"].likes(), 1);
 
     let dlq = dead_letter_reader(&env)?;
@@ -188,6 +202,26 @@ async fn a_message_too_large_to_dead_letter_whole_is_dead_lettered_cut() -> Test
         "{:?}",
         header("tally-dlq-reason")
     );
+
+    let second = tokio::time::timeout(Duration::from_secs(30), dlq.stream().next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+    let reason = second
+        .headers()
+        .and_then(|h| {
+            h.iter()
+                .find(|h| h.key == "tally-dlq-reason")
+                .and_then(|h| h.value)
+        })
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .unwrap_or_default();
+    assert!(
+        reason.len() < 5_000 && reason.contains("cut from"),
+        "{} bytes: {}",
+        reason.len(),
+        reason.chars().take(200).collect::<String>()
+    );
+    assert_eq!(second.payload().map(<[u8]>::len), Some(KEPT_PAYLOAD));
     Ok(())
 }
 
