@@ -132,7 +132,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Consumer(config) => consumer(*config).await,
         Command::Reconcile(args) => reconcile::run(args).await,
-        Command::Status(args) => status::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Status(args) => status::run(args).await,
     }
 }
 

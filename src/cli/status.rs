@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -46,36 +47,41 @@ pub struct StatusArgs {
     pub kafka: KafkaConfig,
 }
 
-/// What `tally status --json` prints.
+/// What `tally status --json` prints. A value is `null` when the service it
+/// comes from did not answer (it is then named under `unreachable`): an
+/// unknown is never shown as a zero.
 #[derive(Debug, Serialize)]
 pub struct Status {
-    pub votes_per_sec: f64,
-    /// p95 of committed votes over the interval; `None` when there were none.
+    /// Rates need both reads of the vote API; `null` if either failed.
+    pub votes_per_sec: Option<f64>,
+    /// p95 of committed votes over the interval; `null` when there were none.
     pub vote_p95_ms: Option<f64>,
-    pub reads_per_sec: f64,
+    pub reads_per_sec: Option<f64>,
     pub read_p95_ms: Option<f64>,
-    pub lag: Vec<Lag>,
-    pub outbox_backlog: f64,
-    pub outbox_oldest_seconds: f64,
+    /// `null` when Kafka could not be asked; empty when the group has
+    /// committed nothing yet.
+    pub lag: Option<Vec<Lag>>,
+    pub outbox_backlog: Option<f64>,
+    pub outbox_oldest_seconds: Option<f64>,
     /// Cache entries owed a drop (Redis did not take a change to them), by
     /// the API and by the consumer, and the consumer's written batches
     /// whose offsets wait for those drops: the group's lag grows meanwhile.
-    pub drops_owed_api: f64,
-    pub drops_owed_consumer: f64,
-    pub batches_held: f64,
-    /// Hits over hits and misses since the API started; `None` before any lookup.
+    pub drops_owed_api: Option<f64>,
+    pub drops_owed_consumer: Option<f64>,
+    pub batches_held: Option<f64>,
+    /// Hits over hits and misses since the API started; `null` before any lookup.
     pub cache_hit_ratio: Option<f64>,
-    pub cas_not_applied: f64,
-    pub cas_unknown: f64,
-    pub cas_applied: f64,
-    pub drift_found: f64,
-    pub dead_letters: f64,
+    pub cas_not_applied: Option<f64>,
+    pub cas_unknown: Option<f64>,
+    pub cas_applied: Option<f64>,
+    pub drift_found: Option<f64>,
+    pub dead_letters: Option<f64>,
     /// How the consumer checked events since it started: by signature, by a
     /// read of the rows, and of those read, the ones where its key and the
     /// event's signing disagree (another key, no signature, no key here).
-    pub checked_by_signature: f64,
-    pub checked_by_row: f64,
-    pub mismatched: f64,
+    pub checked_by_signature: Option<f64>,
+    pub checked_by_row: Option<f64>,
+    pub mismatched: Option<f64>,
     /// Services that did not answer, with why.
     pub unreachable: Vec<String>,
 }
@@ -87,13 +93,18 @@ pub struct Lag {
     pub seconds: f64,
 }
 
-pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+/// The exit status when a service did not answer: what could be read is
+/// still printed, but a script that checks the service must not take the
+/// unknowns for a healthy zero.
+pub const UNREACHABLE: u8 = 4;
+
+pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(3))
         .build()
         .context("Failed to build the HTTP client")?;
     loop {
-        let status = read(&args, &client).await?;
+        let status = read(&args, &client).await;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&status)?);
         } else {
@@ -104,18 +115,19 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
         match args.watch {
             Some(every) => tokio::time::sleep(every).await,
-            None => return Ok(()),
+            None if status.unreachable.is_empty() => return Ok(ExitCode::SUCCESS),
+            None => return Ok(ExitCode::from(UNREACHABLE)),
         }
     }
 }
 
-async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Status> {
+async fn read(args: &StatusArgs, client: &reqwest::Client) -> Status {
     let mut unreachable = Vec::new();
     let mut scrape = |what: &str, result: anyhow::Result<Metrics>| match result {
-        Ok(m) => m,
+        Ok(m) => Some(m),
         Err(e) => {
             unreachable.push(format!("{what}: {e:#}"));
-            Metrics::default()
+            None
         }
     };
     let before = scrape("tally vote", fetch(client, &args.vote_ops).await);
@@ -123,64 +135,90 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> anyhow::Result<Sta
     let vote = scrape("tally vote", fetch(client, &args.vote_ops).await);
     let consumer = scrape("tally consumer", fetch(client, &args.consumer_ops).await);
     unreachable.dedup();
-    let secs = args.interval.as_secs_f64().max(0.001);
     let (kafka, group) = (args.kafka.clone(), args.group.clone());
     let lag = match tokio::task::spawn_blocking(move || bus::lag::group_lag(&kafka, &group)).await {
-        Ok(Ok(lag)) => lag
-            .into_iter()
-            .map(|l| Lag {
-                partition: l.partition,
-                messages: l.messages,
-                seconds: l.seconds,
-            })
-            .collect(),
+        Ok(Ok(lag)) => Some(
+            lag.into_iter()
+                .map(|l| Lag {
+                    partition: l.partition,
+                    messages: l.messages,
+                    seconds: l.seconds,
+                })
+                .collect(),
+        ),
         Ok(Err(e)) => {
             unreachable.push(format!("kafka: {e:#}"));
-            Vec::new()
+            None
         }
         Err(e) => {
             unreachable.push(format!("kafka: {e}"));
-            Vec::new()
+            None
         }
     };
-    let hits = vote.sum("tally_cache_lookups_total", &[("result", "hit")]);
-    let misses = vote.sum("tally_cache_lookups_total", &[("result", "miss")]);
-    let cas = |outcome| vote.sum("tally_cas_total", &[("outcome", outcome)]);
-    let checks = |by| consumer.sum("tally_consumer_event_checks_total", &[("by", by)]);
-    Ok(Status {
-        votes_per_sec: (vote.sum("tally_vote_write_seconds_count", &[])
-            - before.sum("tally_vote_write_seconds_count", &[]))
-            / secs,
-        vote_p95_ms: quantile(
-            &before,
-            &vote,
-            "tally_vote_write_seconds_bucket",
-            &[("outcome", "ok")],
-        )
-        .map(|s| s * 1000.0),
-        reads_per_sec: (vote.sum("tally_vote_read_seconds_count", &[])
-            - before.sum("tally_vote_read_seconds_count", &[]))
-            / secs,
-        read_p95_ms: quantile(&before, &vote, "tally_vote_read_seconds_bucket", &[])
-            .map(|s| s * 1000.0),
+    let interval = match (&before, &vote) {
+        (Some(before), Some(after)) => Some(Interval {
+            before,
+            after,
+            secs: args.interval.as_secs_f64().max(0.001),
+        }),
+        _ => None,
+    };
+    let v = |name: &str, want: &[(&str, &str)]| vote.as_ref().map(|m| m.sum(name, want));
+    let c = |name: &str, want: &[(&str, &str)]| consumer.as_ref().map(|m| m.sum(name, want));
+    let cas = |outcome| v("tally_cas_total", &[("outcome", outcome)]);
+    let checks = |by| c("tally_consumer_event_checks_total", &[("by", by)]);
+    let (hits, misses) = (
+        v("tally_cache_lookups_total", &[("result", "hit")]),
+        v("tally_cache_lookups_total", &[("result", "miss")]),
+    );
+    let rate = |name| interval.as_ref().map(|i| i.rate(name));
+    let p95 = |name, want| interval.as_ref().and_then(|i| i.p95_ms(name, want));
+    Status {
+        votes_per_sec: rate("tally_vote_write_seconds_count"),
+        vote_p95_ms: p95("tally_vote_write_seconds_bucket", &[("outcome", "ok")]),
+        reads_per_sec: rate("tally_vote_read_seconds_count"),
+        read_p95_ms: p95("tally_vote_read_seconds_bucket", &[]),
         lag,
-        outbox_backlog: vote.sum("tally_outbox_backlog", &[]),
-        outbox_oldest_seconds: vote.sum("tally_outbox_oldest_seconds", &[]),
-        drops_owed_api: vote.sum("tally_cache_drops_owed", &[]),
-        drops_owed_consumer: consumer.sum("tally_cache_drops_owed", &[]),
-        batches_held: consumer.sum("tally_consumer_batches_held", &[]),
-        cache_hit_ratio: (hits + misses > 0.0).then(|| hits / (hits + misses)),
+        outbox_backlog: v("tally_outbox_backlog", &[]),
+        outbox_oldest_seconds: v("tally_outbox_oldest_seconds", &[]),
+        drops_owed_api: v("tally_cache_drops_owed", &[]),
+        drops_owed_consumer: c("tally_cache_drops_owed", &[]),
+        batches_held: c("tally_consumer_batches_held", &[]),
+        cache_hit_ratio: hits
+            .zip(misses)
+            .and_then(|(h, m)| (h + m > 0.0).then(|| h / (h + m))),
         cas_not_applied: cas("not_applied"),
         cas_unknown: cas("unknown"),
         cas_applied: cas("applied"),
-        drift_found: vote.sum("tally_reconcile_drift_found_total", &[]),
-        dead_letters: consumer.sum("tally_consumer_dead_lettered_total", &[]),
+        drift_found: v("tally_reconcile_drift_found_total", &[]),
+        dead_letters: c("tally_consumer_dead_lettered_total", &[]),
         checked_by_signature: checks("signature"),
-        checked_by_row: consumer.sum("tally_consumer_event_checks_total", &[])
-            - checks("signature"),
-        mismatched: checks("row_bad_signature") + checks("row_unsigned") + checks("row_unverified"),
+        checked_by_row: c("tally_consumer_event_checks_total", &[])
+            .zip(checks("signature"))
+            .map(|(all, signed)| all - signed),
+        mismatched: checks("row_bad_signature")
+            .zip(checks("row_unsigned"))
+            .zip(checks("row_unverified"))
+            .map(|((a, b), c)| a + b + c),
         unreachable,
-    })
+    }
+}
+
+/// Two reads of the vote API's metrics, `secs` apart.
+struct Interval<'a> {
+    before: &'a Metrics,
+    after: &'a Metrics,
+    secs: f64,
+}
+
+impl Interval<'_> {
+    fn rate(&self, name: &str) -> f64 {
+        (self.after.sum(name, &[]) - self.before.sum(name, &[])) / self.secs
+    }
+
+    fn p95_ms(&self, name: &str, want: &[(&str, &str)]) -> Option<f64> {
+        quantile(self.before, self.after, name, want).map(|s| s * 1000.0)
+    }
 }
 
 /// One sample: its labels and its value.
@@ -299,7 +337,8 @@ async fn fetch(client: &reqwest::Client, base: &str) -> anyhow::Result<Metrics> 
     Ok(Metrics::parse(&text))
 }
 
-/// The screen: one line a signal, red past its threshold on a terminal.
+/// The screen: one line a signal, red past its threshold on a terminal. A
+/// value from a service that did not answer is `-`, and never red.
 pub fn screen(s: &Status, colour: bool) -> String {
     let mark = |bad: bool, text: String| {
         if colour && bad {
@@ -311,44 +350,54 @@ pub fn screen(s: &Status, colour: bool) -> String {
         }
     };
     let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1} ms"));
+    let n = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
+    let past = |v: Option<f64>, limit: f64| v.is_some_and(|v| v > limit);
     let mut out = String::new();
     let mut line = |label: &str, bad: bool, text: String| {
         out.push_str(&format!("{label:<22}{}\n", mark(bad, text)));
     };
+    let rate = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}/s"));
     line(
         "votes",
-        s.vote_p95_ms.is_some_and(|p| p > 100.0),
-        format!("{:.1}/s, p95 {}", s.votes_per_sec, ms(s.vote_p95_ms)),
+        past(s.vote_p95_ms, 100.0),
+        format!("{}, p95 {}", rate(s.votes_per_sec), ms(s.vote_p95_ms)),
     );
     line(
         "summary reads",
-        s.read_p95_ms.is_some_and(|p| p > 20.0),
-        format!("{:.1}/s, p95 {}", s.reads_per_sec, ms(s.read_p95_ms)),
+        past(s.read_p95_ms, 20.0),
+        format!("{}, p95 {}", rate(s.reads_per_sec), ms(s.read_p95_ms)),
     );
-    if s.lag.is_empty() {
-        line("consumer lag", false, "no committed offsets".into());
-    }
-    for l in &s.lag {
-        line(
-            &format!("lag, partition {}", l.partition),
-            l.seconds > 60.0,
-            format!("{} messages, {:.1} s", l.messages, l.seconds),
-        );
+    match &s.lag {
+        None => line("consumer lag", false, "-".into()),
+        Some(lag) if lag.is_empty() => line("consumer lag", false, "no committed offsets".into()),
+        Some(lag) => {
+            for l in lag {
+                line(
+                    &format!("lag, partition {}", l.partition),
+                    l.seconds > 60.0,
+                    format!("{} messages, {:.1} s", l.messages, l.seconds),
+                );
+            }
+        }
     }
     line(
         "outbox",
-        s.outbox_oldest_seconds > 300.0,
+        past(s.outbox_oldest_seconds, 300.0),
         format!(
-            "{:.0} unresolved, oldest {:.0} s",
-            s.outbox_backlog, s.outbox_oldest_seconds
+            "{} unresolved, oldest {} s",
+            n(s.outbox_backlog),
+            n(s.outbox_oldest_seconds)
         ),
     );
+    let owed = [s.drops_owed_api, s.drops_owed_consumer, s.batches_held];
     line(
         "cache drops owed",
-        s.drops_owed_api + s.drops_owed_consumer + s.batches_held > 0.0,
+        owed.iter().any(|v| past(*v, 0.0)),
         format!(
-            "{:.0} by the API, {:.0} by the consumer, {:.0} batches held for them",
-            s.drops_owed_api, s.drops_owed_consumer, s.batches_held
+            "{} by the API, {} by the consumer, {} batches held for them",
+            n(owed[0]),
+            n(owed[1]),
+            n(owed[2])
         ),
     );
     line(
@@ -359,28 +408,26 @@ pub fn screen(s: &Status, colour: bool) -> String {
     );
     line(
         "conditional writes",
-        s.cas_unknown > 0.001 * s.cas_applied.max(1.0),
+        s.cas_unknown
+            .zip(s.cas_applied)
+            .is_some_and(|(unknown, applied)| unknown > 0.001 * applied.max(1.0)),
         format!(
-            "{:.0} applied, {:.0} refused, {:.0} unknown",
-            s.cas_applied, s.cas_not_applied, s.cas_unknown
+            "{} applied, {} refused, {} unknown",
+            n(s.cas_applied),
+            n(s.cas_not_applied),
+            n(s.cas_unknown)
         ),
     );
-    line(
-        "drift found",
-        s.drift_found > 0.0,
-        format!("{:.0}", s.drift_found),
-    );
-    line(
-        "dead letters",
-        s.dead_letters > 0.0,
-        format!("{:.0}", s.dead_letters),
-    );
+    line("drift found", past(s.drift_found, 0.0), n(s.drift_found));
+    line("dead letters", past(s.dead_letters, 0.0), n(s.dead_letters));
     line(
         "events checked",
-        s.mismatched > 0.0,
+        past(s.mismatched, 0.0),
         format!(
-            "{:.0} by signature, {:.0} by row ({:.0} where the keys disagree)",
-            s.checked_by_signature, s.checked_by_row, s.mismatched
+            "{} by signature, {} by row ({} where the keys disagree)",
+            n(s.checked_by_signature),
+            n(s.checked_by_row),
+            n(s.mismatched)
         ),
     );
     for u in &s.unreachable {
@@ -420,5 +467,56 @@ mod tests {
         // Rank 95 of 100 lies 45/50 of the way through (0.01, 0.1].
         assert!((p95 - 0.091).abs() < 1e-9, "{p95}");
         assert!(quantile(&after, &after, "tally_vote_write_seconds_bucket", &[]).is_none());
+    }
+
+    #[test]
+    fn values_from_a_service_that_did_not_answer_are_unknown_never_zero_nor_red() {
+        let status = Status {
+            votes_per_sec: None,
+            vote_p95_ms: None,
+            reads_per_sec: None,
+            read_p95_ms: None,
+            lag: None,
+            outbox_backlog: None,
+            outbox_oldest_seconds: None,
+            drops_owed_api: None,
+            drops_owed_consumer: Some(2.0),
+            batches_held: Some(0.0),
+            cache_hit_ratio: None,
+            cas_not_applied: None,
+            cas_unknown: None,
+            cas_applied: None,
+            drift_found: None,
+            dead_letters: Some(0.0),
+            checked_by_signature: Some(3.0),
+            checked_by_row: Some(0.0),
+            mismatched: Some(0.0),
+            unreachable: vec!["tally vote: refused".into()],
+        };
+        let screen = screen(&status, false);
+        assert!(
+            screen.contains("votes                 -, p95 -\n"),
+            "{screen}"
+        );
+        assert!(screen.contains("consumer lag          -\n"), "{screen}");
+        assert!(
+            screen.contains("outbox                - unresolved, oldest - s\n"),
+            "{screen}"
+        );
+        // What the consumer said is still shown, and judged.
+        assert!(
+            screen.contains("cache drops owed      - by the API, 2 by the consumer, 0 batches held for them  (!)"),
+            "{screen}"
+        );
+        assert!(screen.contains("drift found           -\n"), "{screen}");
+        assert!(
+            screen.contains("not answering         tally vote: refused  (!)"),
+            "{screen}"
+        );
+        let json = serde_json::to_value(&status).unwrap_or_default();
+        assert!(
+            json["cas_applied"].is_null() && json["lag"].is_null(),
+            "{json}"
+        );
     }
 }

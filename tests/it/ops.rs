@@ -257,7 +257,7 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
     )
     .await;
     let vote = scrape(&app.client, &format!("{vote_ops}/metrics")).await;
-    let num = |key: &str| status[key].as_f64().unwrap_or(f64::NAN);
+    let num = |key: &str| num_of(&status, key);
     let metric = |name: &str, labels: &[&str]| sample_sum(&vote, name, labels).unwrap_or(0.0);
     assert_eq!(
         num("cas_applied"),
@@ -337,6 +337,37 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         "{screen}"
     );
     assert!(screen.contains("lag, partition 0"), "{screen}");
+
+    // A service that does not answer is named, its values are unknown rather
+    // than zero, and the run fails: a script must not read a healthy zero.
+    let nobody = format!("http://127.0.0.1:{}", free_port());
+    let out = env.status(&nobody, &consumer_url, "200ms")?;
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    for key in [
+        "votes_per_sec",
+        "cas_applied",
+        "outbox_backlog",
+        "drops_owed_api",
+    ] {
+        assert!(status[key].is_null(), "{key}: {status}");
+    }
+    assert_eq!(num_of(&status, "dead_letters"), 1.0, "{status}");
+    let unreachable = status["unreachable"].to_string();
+    assert!(unreachable.contains("tally vote"), "{status}");
+    assert!(!unreachable.contains("tally consumer"), "{status}");
+    let screen = env
+        .tally()
+        .args(["status", "--interval", "200ms"])
+        .args(["--vote-ops", &nobody, "--consumer-ops", &consumer_url])
+        .output()?;
+    assert_eq!(screen.status.code(), Some(4));
+    let screen = String::from_utf8_lossy(&screen.stdout).into_owned();
+    assert!(
+        screen.contains("conditional writes    - applied, - refused, - unknown\n"),
+        "{screen}"
+    );
+    assert!(screen.contains("not answering"), "{screen}");
     Ok(())
 }
 
@@ -397,4 +428,8 @@ async fn a_vote_process_started_before_cassandra_answers_waits_for_it_then_serve
     })
     .await;
     Ok(())
+}
+
+fn num_of(status: &serde_json::Value, key: &str) -> f64 {
+    status[key].as_f64().unwrap_or(f64::NAN)
 }
