@@ -10,7 +10,8 @@ use tracing::Instrument;
 use super::error::ApiError;
 use super::{AppState, Clients, RequestId, Worker};
 use crate::auth::Caller;
-use crate::cast::Vote;
+use crate::cache::CountedToday;
+use crate::cast::{CastError, Vote};
 use crate::domain::{IdempotencyKey, Reaction, TargetId, TargetType, UserId};
 
 /// Largest accepted body. A vote is about 100 bytes.
@@ -40,19 +41,22 @@ pub async fn cast(
         return Err(ApiError::bad_request("target_not_allowed", why));
     }
     let clients = worker.clients().await?;
-    if let Some(refusal) = over_a_limit(&state, &clients, &caller.user, &vote).await {
-        // A retry of a vote that already committed still gets its answer:
-        // the limits are on new votes, not on learning what happened to one.
-        // One read, and only for a user who is over a limit.
-        return match clients
-            .caster
-            .recorded(&caller.user, &key, &vote, &request_id.0)
-            .await
-        {
-            Some(answer) => respond(answer),
-            None => Err(refusal),
-        };
-    }
+    let counted = match over_a_limit(&state, &clients, &caller.user, &vote).await {
+        Ok(counted) => counted,
+        Err(refusal) => {
+            // A retry of a vote that already committed still gets its answer:
+            // the limits are on new votes, not on learning what happened to
+            // one. One read, and only for a user who is over a limit.
+            return match clients
+                .caster
+                .recorded(&caller.user, &key, &vote, &request_id.0)
+                .await
+            {
+                Some(answer) => respond(answer),
+                None => Err(refusal),
+            };
+        }
+    };
     // The vote runs in a task of its own: a client that hangs up (actix
     // then drops this handler) cannot stop it between a conditional write
     // whose outcome is unknown and the SERIAL read that learns it. The
@@ -62,10 +66,13 @@ pub async fn cast(
     let (user, request_id) = (caller.user, request_id.0.clone());
     let vote_task = async move {
         let _permit = permit;
-        task.caster
-            .cast(&user, &key, &vote, &request_id)
-            .await
-            .map_err(ApiError::from)
+        let answer = task.caster.cast(&user, &key, &vote, &request_id).await;
+        if let Some(counted) = counted
+            && !left_a_record(&answer)
+        {
+            task.cache.uncount_vote(counted).await;
+        }
+        answer.map_err(ApiError::from)
     };
     // The task keeps the request's span, so its log lines carry the request id.
     // Boxed once here: the vote's future is some 12 KB, which every move on
@@ -80,33 +87,46 @@ pub async fn cast(
     respond(answer)
 }
 
+/// Whether a vote may have written a new record to its user's partition,
+/// which is what the day's limit bounds: not a replay, and not a vote
+/// refused or failed before it could commit. An unknown outcome may have.
+fn left_a_record(answer: &Result<crate::cast::Answer, CastError>) -> bool {
+    match answer {
+        Ok(answer) => !answer.replayed,
+        Err(CastError::KeyReused | CastError::Contention | CastError::Store(_)) => false,
+        Err(CastError::OutcomeUnknown(_) | CastError::Unexpected(_)) => true,
+    }
+}
+
 /// The first limit this vote would pass, if any: the user's rate, their
 /// rate of votes on targets this process has not registered, and their
 /// votes of the day. A Redis that does not answer leaves the day's count
-/// unchecked rather than refusing votes.
+/// unchecked rather than refusing votes. The vote counted against the day,
+/// if it was, to be given back if it leaves no record.
 async fn over_a_limit(
     state: &AppState,
     clients: &Clients,
     user: &UserId,
     vote: &Vote,
-) -> Option<ApiError> {
-    if let Err(wait) = state.limiter.check(user) {
-        return Some(ApiError::RateLimited(wait));
-    }
-    if !clients.caster.knows_target(&vote.target_id)
-        && let Err(wait) = state.new_targets.check(user)
-    {
-        return Some(ApiError::NewTargetsLimited(wait));
+) -> Result<Option<CountedToday>, ApiError> {
+    state.limiter.check(user).map_err(ApiError::RateLimited)?;
+    if !clients.caster.knows_target(&vote.target_id) {
+        state
+            .new_targets
+            .check(user)
+            .map_err(ApiError::NewTargetsLimited)?;
     }
     match clients.cache.count_vote_today(user).await {
-        Ok((count, until_tomorrow)) if count > state.daily_votes => {
-            Some(ApiError::DailyLimit(state.daily_votes, until_tomorrow))
+        Ok((count, until_tomorrow, counted)) if count > state.daily_votes => {
+            // A refused vote is not one of the day's: the count stays at the limit.
+            clients.cache.uncount_vote(counted).await;
+            Err(ApiError::DailyLimit(state.daily_votes, until_tomorrow))
         }
-        Ok(_) => None,
+        Ok((_, _, counted)) => Ok(Some(counted)),
         Err(e) => {
             metrics::counter!(crate::metrics::DAILY_UNCHECKED).increment(1);
             tracing::debug!(error = %anyhow::Error::new(e), "the day's vote count is unchecked");
-            None
+            Ok(None)
         }
     }
 }

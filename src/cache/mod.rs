@@ -640,6 +640,11 @@ pub struct Written<'a> {
     pub ahead: &'a [(UserId, i64)],
 }
 
+/// A vote counted against its user's limit for the day, under that day's key.
+#[derive(Debug)]
+#[must_use = "a vote that left no record is given back with `Cache::uncount_vote`"]
+pub struct CountedToday(String);
+
 /// The per-target count cache. Entries converge by construction: the
 /// vote path adds pending changes, and every durable write replaces the base
 /// (see the entry layout above). The TTL follows the consumer's lag (see
@@ -1414,7 +1419,10 @@ impl Cache {
     /// Counts one more vote of `user` today (UTC) and returns the day's
     /// count so far, with the time until the day ends. The count lives two
     /// days, then expires.
-    pub async fn count_vote_today(&self, user: &UserId) -> Result<(u64, Duration), CacheError> {
+    pub async fn count_vote_today(
+        &self,
+        user: &UserId,
+    ) -> Result<(u64, Duration, CountedToday), CacheError> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
@@ -1426,7 +1434,27 @@ impl Cache {
         let (count, _): (u64, i64) = self
             .within(|mut c| async move { pipe.query_async(&mut c).await })
             .await?;
-        Ok((count, Duration::from_secs(86_400 - into_day)))
+        Ok((
+            count,
+            Duration::from_secs(86_400 - into_day),
+            CountedToday(key),
+        ))
+    }
+
+    /// Takes back a vote counted by `count_vote_today` that left no record:
+    /// the day's limit bounds the records a user piles up, so a refusal or
+    /// a replay must not use it up. The day it was counted on, not today's.
+    /// A Redis that does not answer keeps the count: the user is limited a
+    /// vote early, never late.
+    pub async fn uncount_vote(&self, counted: CountedToday) {
+        let mut pipe = redis::pipe();
+        pipe.decr(&counted.0, 1).ignore();
+        if let Err(e) = self
+            .within(|mut c| async move { pipe.query_async::<()>(&mut c).await })
+            .await
+        {
+            tracing::debug!(error = %anyhow::Error::new(e), "a vote counted against the day's limit was kept");
+        }
     }
 
     /// Fails when Redis refuses tally's login (a wrong user, password or

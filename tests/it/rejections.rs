@@ -952,6 +952,39 @@ async fn one_user_cannot_register_new_targets_faster_than_the_limit_and_known_on
 }
 
 #[tokio::test]
+async fn only_votes_that_leave_a_record_use_up_the_days_limit() -> TestResult {
+    let env = TestEnv::new().await;
+    let config = tally::api::ApiConfig {
+        user_daily_votes: 2,
+        ..env.api_config()
+    };
+    let app = env.spawn_app_with(config).await;
+    let first = new_key();
+    assert_eq!(
+        app.vote("day", &first, "video_e0", "like").await.status,
+        200
+    );
+    // A client retrying as told: a replay, then the key reused for another
+    // body, then a target this service refuses. None of them wrote a record.
+    let replay = app.vote("day", &first, "video_e0", "like").await;
+    assert!(replay.status == 200 && replay.replayed(), "{}", replay.body);
+    let reused = app.vote("day", &first, "video_e0", "dislike").await;
+    assert_eq!(reused.status, 422, "{}", reused.body);
+    assert_eq!(reused.code(), "idempotency_key_reused");
+    // The second vote of the day is still the user's to cast...
+    let second = app.vote("day", new_key(), "video_e1", "like").await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    // ...and the third is over the limit.
+    let third = app.vote("day", new_key(), "video_e2", "like").await;
+    assert_eq!(third.status, 429, "{}", third.body);
+    assert_eq!(third.code(), "daily_limit");
+    let reactions = env.recount().await;
+    assert_eq!(reactions["video_e1"].likes(), 1);
+    assert!(!reactions.contains_key("video_e2"));
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_user_past_the_days_vote_limit_gets_429_until_midnight_and_retries_still_get_answers()
 -> TestResult {
     let env = TestEnv::new().await;
