@@ -55,13 +55,13 @@ const DROPS_BEFORE_EXIT: Duration = Duration::from_secs(5);
 #[derive(clap::Args, Debug, Clone)]
 pub struct ApiConfig {
     /// Address to listen on (port 0 picks a free port).
-    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080", value_parser = values::listen_address)]
     pub listen: String,
 
     /// Address of the operator endpoints: /metrics, /readyz and /healthz.
     /// Keep it off the public network; the public port answers /healthz
     /// only.
-    #[arg(long = "ops-listen", env = "TALLY_OPS_LISTEN", default_value = "127.0.0.1:9090")]
+    #[arg(long = "ops-listen", env = "TALLY_OPS_LISTEN", default_value = "127.0.0.1:9090", value_parser = values::listen_address)]
     pub ops_listen: String,
 
     /// HTTP worker threads.
@@ -208,6 +208,13 @@ impl ApiConfig {
     /// `tally vote` refuses them before it connects to anything.
     pub fn check(&self) -> Result<(), String> {
         targets::TargetPolicy::new(&self.targets).map_err(|e| format!("{e:#}"))?;
+        self.stores.redis.check()?;
+        if self.listen == self.ops_listen && !self.listen.ends_with(":0") {
+            return Err(format!(
+                "--listen and --ops-listen are both {}: the operator endpoints need an address of their own",
+                self.listen
+            ));
+        }
         self.stores.kafka.event_key()?;
         if self.min_in_flight > self.max_in_flight {
             return Err(format!(

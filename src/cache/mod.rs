@@ -95,12 +95,21 @@ impl RedisConfig {
     }
 
     /// Where and as whom to connect, with the CA if one is given.
+    /// Refuses settings no connection can be made with (a URL that does not
+    /// parse, an unreadable CA, a CA without TLS), before any store is
+    /// connected to. Whether Redis answers is learnt later.
+    pub fn check(&self) -> Result<(), String> {
+        self.connection_info()
+            .map(|_| ())
+            .map_err(|e| format!("{e:#}"))
+    }
+
     fn connection_info(&self) -> anyhow::Result<redis::ConnectionInfo> {
         let mut info = self
             .url
             .as_str()
             .into_connection_info()
-            .with_context(|| format!("Bad Redis URL {}", without_password(&self.url)))?;
+            .with_context(|| format!("Bad --redis-url {}", without_password(&self.url)))?;
         if let Some(password) = &self.password {
             info.redis.password = Some(password.expose().to_owned());
             info.redis.username = self.user.clone();

@@ -87,6 +87,7 @@ impl Command {
         match self {
             Command::Vote(config) => config.check(),
             Command::Consumer(config) => config.check(),
+            Command::Reconcile(args) => args.check(),
             _ => Ok(()),
         }
     }

@@ -41,8 +41,9 @@ pub struct ReconcileArgs {
     pub fail_on_drift: bool,
 
     /// With --all: the checkpoint to resume from and save to.
-    #[arg(long, default_value = "all")]
-    pub checkpoint: String,
+    /// (`all` unless given)
+    #[arg(long)]
+    pub checkpoint: Option<String>,
 
     /// With --all: ignore the checkpoint and start from the beginning.
     #[arg(long)]
@@ -73,6 +74,28 @@ pub struct ReconcileArgs {
     pub redis: RedisConfig,
 }
 
+impl ReconcileArgs {
+    /// Settings that would be ignored, refused before anything is connected
+    /// to: an operator who asked for a schedule must not get a single run.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.all {
+            let sweep_only = [
+                ("--checkpoint", self.checkpoint.is_some()),
+                ("--restart", self.restart),
+                ("--repeat-every", self.repeat_every.is_some()),
+            ];
+            if let Some((flag, _)) = sweep_only.iter().find(|(_, given)| *given) {
+                return Err(format!("{flag} works only with --all"));
+            }
+        }
+        self.redis.check()
+    }
+
+    fn checkpoint(&self) -> &str {
+        self.checkpoint.as_deref().unwrap_or("all")
+    }
+}
+
 fn parse_target(s: &str) -> Result<TargetId, String> {
     TargetId::parse(s).map_err(|e| e.to_string())
 }
@@ -92,9 +115,10 @@ const CHECK_FAILED: u8 = 5;
 
 pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let store = Arc::new(Store::open(&args.cassandra, Duration::from_secs(1)).await?);
-    let cache = Cache::new(&args.redis, Duration::from_secs(60))
-        .inspect_err(|e| tracing::warn!(error = %e, "no cache; repaired targets keep stale cached totals until they expire"))
-        .ok();
+    // Settings no connection can be made with were refused before this
+    // (`Command::check`): a reconcile that repaired the totals but not the
+    // cache would leave the stale totals served until they expired.
+    let cache = Some(Cache::new(&args.redis, Duration::from_secs(60))?);
     let drops_task = cache
         .clone()
         .map(|cache| tokio::spawn(cache.keep_dropping_owed()));
@@ -171,9 +195,9 @@ async fn sweep_on_schedule(
     let options = SweepOptions {
         // A dry run must not move the real sweep's resume point.
         name: if args.dry_run {
-            format!("{}.dry-run", args.checkpoint)
+            format!("{}.dry-run", args.checkpoint())
         } else {
-            args.checkpoint.clone()
+            args.checkpoint().to_owned()
         },
         rate: args.rate,
         dry_run: args.dry_run,

@@ -15,6 +15,20 @@ pub const SECOND: Duration = Duration::from_secs(1);
 /// overflow, and nothing here is meant to wait for more than a year.
 pub const LONGEST: Duration = Duration::from_secs(366 * 24 * 3600);
 
+/// An address to listen on, `HOST:PORT`: checked when typed, not after the
+/// stores were connected to (`--listen 8080` used to be found out only
+/// when the server bound it, after every store had answered).
+pub fn listen_address(s: &str) -> Result<String, String> {
+    use std::net::ToSocketAddrs;
+    match s.to_socket_addrs().map(|mut addrs| addrs.next()) {
+        Ok(Some(_)) => Ok(s.to_owned()),
+        Ok(None) => Err(format!("{s:?} names no address")),
+        Err(e) => Err(format!(
+            "expected HOST:PORT such as 127.0.0.1:8080, not {s:?} ({e})"
+        )),
+    }
+}
+
 /// A duration of at most a year, zero allowed (zero means "do not wait").
 pub fn duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s)

@@ -98,7 +98,7 @@ pub struct ConsumerConfig {
     pub trust_events: bool,
 
     /// Address of the consumer's /metrics, /healthz and /readyz (port 0 picks one).
-    #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091")]
+    #[arg(long = "listen", env = "TALLY_CONSUMER_LISTEN", default_value = "127.0.0.1:9091", value_parser = crate::cli::values::listen_address)]
     pub listen: String,
 
     /// The TTL of cache entries it writes through; it follows the group's
@@ -151,6 +151,7 @@ impl ConsumerConfig {
     /// The settings that contradict each other, refused before anything
     /// connects.
     pub fn check(&self) -> Result<(), String> {
+        self.stores.redis.check()?;
         let key = self.stores.kafka.event_key()?;
         if key.is_some() && self.trust_events {
             return Err(

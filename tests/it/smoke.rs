@@ -280,6 +280,43 @@ fn settings_that_mean_nothing_stop_tally_at_start_naming_the_setting() {
             "--repeat-every",
         ),
         (&["status", "--interval", "0s"], "--interval"),
+        (&["vote", "--listen", "8080"], "--listen"),
+        (&["consumer", "--listen", "nowhere"], "--listen"),
+        (
+            &[
+                "vote",
+                "--ops-listen",
+                "127.0.0.1:8080",
+                "--listen",
+                "127.0.0.1:8080",
+            ],
+            "--ops-listen",
+        ),
+        (&["vote", "--redis-url", "localhost:6379"], "--redis-url"),
+        (
+            &[
+                "consumer",
+                "--redis-tls-ca",
+                "/nonexistent/ca.pem",
+                "--redis-url",
+                "rediss://127.0.0.1:6380",
+            ],
+            "/nonexistent/ca.pem",
+        ),
+        (
+            &[
+                "reconcile",
+                "--target",
+                "v1",
+                "--redis-url",
+                "localhost:6379",
+            ],
+            "--redis-url",
+        ),
+        (
+            &["reconcile", "--target", "v1", "--repeat-every", "10m"],
+            "--all",
+        ),
         (&["token", "--sub", "alice", "--ttl", "0s"], "--ttl"),
     ];
     for (args, says) in cases {
