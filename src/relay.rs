@@ -207,6 +207,15 @@ impl Relay {
             .reactions
             .record_serial(&intent.user, &intent.key)
             .await?;
+        // The record of a later attempt with the same key (a retry after a
+        // 409 or a 503): that attempt's own intent is checked when it has
+        // settled, and this one, older, says nothing of when it ends. Taking
+        // it from here could publish while that vote is still in flight.
+        if let Some(slot) = record.as_ref().and_then(|r| r.intent_slot(&intent.user))
+            && slot != intent.slot
+        {
+            return Ok(false);
+        }
         // No record: the vote never committed. No transition: it changed nothing.
         let Some(json) = record.and_then(|r| r.transition) else {
             return Ok(false);

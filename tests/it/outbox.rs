@@ -305,6 +305,72 @@ async fn a_replay_publishes_only_after_the_vote_it_repeats_could_have_counted_in
 }
 
 #[tokio::test]
+async fn the_intent_of_a_failed_attempt_does_not_publish_the_retry_that_committed_before_it_settles()
+-> TestResult {
+    use tally::domain::UserId;
+    use tally::store::outbox::{bucket_at, shard_of};
+
+    let env = TestEnv::new().await;
+    // The first attempt wrote its intent and then failed (a 409, or a 503
+    // that says to retry with the same key): its intent is left unresolved.
+    let key = new_key();
+    let first_attempt = bucket_at(std::time::SystemTime::now() - Duration::from_secs(40));
+    env.session
+        .query_unpaged(
+            "INSERT INTO outbox_intents (bucket, shard, user_id, idem_key, resolved) \
+             VALUES (?, ?, 'ulla', ?, false)",
+            (
+                first_attempt,
+                shard_of(&UserId::parse("ulla")?),
+                key.as_str(),
+            ),
+        )
+        .await?;
+    // The retry commits; its own publish does not happen.
+    let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
+    let retry = cut_off.vote("ulla", &key, "retried", "like").await;
+    assert_eq!(retry.status, 200, "{}", retry.body);
+
+    // The relay reaches the first attempt's intent long before the retry's
+    // has settled: the retry may still be in flight (learning its outcome,
+    // counting its change in the cache), so that intent publishes nothing.
+    // (The production settle: the tests' 2 s would let the relay reach the
+    // retry's own intent in the same pass.)
+    let mut config = relaying(&env);
+    config.relay.settle = Duration::from_secs(25);
+    let relay = env.spawn_app_with(config).await;
+    eventually(
+        "the first attempt's intent to be resolved",
+        Duration::from_secs(20),
+        || async {
+            let rows = env
+                .session
+                .query_unpaged(
+                    "SELECT resolved FROM outbox_intents WHERE bucket = ? AND shard = ? \
+                     AND user_id = 'ulla' AND idem_key = ?",
+                    (
+                        first_attempt,
+                        shard_of(&UserId::parse("ulla").ok()?),
+                        key.as_str(),
+                    ),
+                )
+                .await
+                .ok()?
+                .into_rows_result()
+                .ok()?;
+            let (resolved,): (bool,) = rows.single_row().ok()?;
+            resolved.then_some(())
+        },
+    )
+    .await;
+    assert_eq!(env.published(), 0, "published ahead of the retry's settle");
+    // The retry's own intent, once settled, publishes it.
+    counted_and_served(&env, &relay, &["retried"]).await?;
+    assert_eq!(env.recount().await["retried"].likes(), 1);
+    Ok(())
+}
+
+#[tokio::test]
 async fn racing_votes_records_each_name_the_place_of_their_grouped_intent() -> TestResult {
     let env = TestEnv::new().await;
     let cut_off = env.spawn_app_with(kafka_unreachable(&env)).await;
