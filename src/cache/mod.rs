@@ -443,7 +443,8 @@ return served(KEYS[1], names)
 /// failed (Redis down) left it. An entry still missing other buckets' bases
 /// keeps this one and serves nothing until a read fills the rest.
 /// Users counted ahead of their votes get a `c:` mark, so that a vote's
-/// change arriving later is not counted again. An entry no fill has armed
+/// change arriving later is not counted again; a mark only rises (a late
+/// write-through's older mark would let a step between the two through). An entry no fill has armed
 /// (none, or one holding marks alone) gets only the marks: the read or vote
 /// that fills it arms its fence first and then reads every bucket's head,
 /// this write's or newer. A base written there by a write through that
@@ -460,7 +461,11 @@ local m_at = 8 + 2 * n + 3 * k
 local function mark(now)
   for j = 0, tonumber(ARGV[m_at]) - 1 do
     local at = m_at + 1 + 2 * j
-    redis.call('HSET', KEYS[1], 'c:' .. ARGV[at], ARGV[at + 1] .. '|' .. now)
+    local field = 'c:' .. ARGV[at]
+    local cur = redis.call('HGET', KEYS[1], field)
+    if not cur or tonumber(string.match(cur, '^(%d+)')) <= tonumber(ARGV[at + 1]) then
+      redis.call('HSET', KEYS[1], field, ARGV[at + 1] .. '|' .. now)
+    end
   end
 end
 if redis.call('HEXISTS', KEYS[1], 'g') == 0 then

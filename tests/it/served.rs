@@ -267,6 +267,66 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
     Ok(())
 }
 
+/// A mark says a user is counted at a version; a write-through that arrives
+/// late (a former owner's, after a rebalance) carries an older mark, and
+/// must not lower it: a late cache step between the two would pass.
+#[tokio::test]
+async fn a_late_write_through_does_not_lower_a_newer_mark() -> TestResult {
+    use tally::cache::{Cache, Pending, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+    let one = Layout::new(1)?;
+    let target = TargetId::parse("marked_late")?;
+    let ann = UserId::parse("ann")?;
+    let empty = Head {
+        seq: Some(1),
+        totals: Totals::default(),
+        target_type: None,
+    };
+    fill(&cache, &target, &Heads(vec![empty])).await?;
+    let written = |seq, version: i64, ahead: &[(UserId, i64)]| {
+        let users = vec![(
+            ann.clone(),
+            Applied {
+                version,
+                state: Reaction::Like,
+            },
+        )];
+        (seq, users, ahead.to_vec())
+    };
+    // The new owner counts ann at version 5, past a version 4 it never
+    // counted; then the former owner's write of version 3 lands.
+    for (seq, users, ahead) in [
+        written(7, 5, &[(ann.clone(), 5)]),
+        written(6, 3, &[(ann.clone(), 3)]),
+    ] {
+        let write = Written {
+            buckets: one,
+            bucket: Bucket::FIRST,
+            seq,
+            totals: Totals::count([Reaction::Like]),
+            users: &users,
+            ahead: &ahead,
+        };
+        cache.write_through(&target, &write).await?;
+    }
+    // Version 4's late cache step: counted at 5 already, so nothing.
+    let late = Pending {
+        user: &ann,
+        version: 4,
+        from: Reaction::None,
+        to: Reaction::Like,
+    };
+    cache
+        .apply(&target, &late, one, None, cache.change_deadline())
+        .await?;
+    assert_eq!(served_likes(&cache, &target).await?, Some(1));
+    Ok(())
+}
+
 /// Write-throughs of one bucket can arrive out of order (the consumer's and
 /// reconcile's, say). The older one still takes away the pending changes it
 /// counted: the newer base counts them already.
