@@ -588,11 +588,17 @@ impl Caster {
                     from: transition.from,
                     to: transition.to,
                 };
-                after
+                let in_flight_until = after
                     .counts
                     .apply_committed(&transition.target_id, &change)
                     .await;
                 let _ = cached.send(());
+                // The answer need not wait for this; the publish must: a
+                // step that lands after the consumer counted the change
+                // would count it again beside a base that has it.
+                if let Some(until) = in_flight_until {
+                    tokio::time::sleep_until(until).await;
+                }
                 let taken = after.publish(&transition, &user, &request_id).await;
                 let _ = published.send(());
                 // After the answer may have gone: the mark lingers.

@@ -141,16 +141,23 @@ impl Counts {
     /// Counts a committed change in the cache, ahead of the consumer. Runs
     /// before the change is published, and Redis refuses it once its
     /// deadline has passed, so the consumer's write of the same change can
-    /// never land before it. A miss fills from the durable heads first,
+    /// never land before it: if the step failed, it returns the moment
+    /// before which a command of it may still land, and the change must not
+    /// be published before it. A miss fills from the durable heads first,
     /// under the entry's fence (see `Cache::apply`). A cache failure never
     /// costs the vote: the entry is owed a drop, so that it is filled again
     /// from the durable totals even if the consumer's write through of the
     /// change fails as well and its process dies.
-    pub async fn apply_committed(&self, target: &TargetId, change: &Pending<'_>) {
+    pub async fn apply_committed(
+        &self,
+        target: &TargetId,
+        change: &Pending<'_>,
+    ) -> Option<tokio::time::Instant> {
         // One deadline for the whole step, which Redis enforces too: after
         // it the change may be published, and the consumer's write of it may
         // land before a late command would.
         let deadline = self.cache.change_deadline();
+        let started = tokio::time::Instant::now();
         let layout = self.store.layout;
         let step = async {
             for _ in 0..FILL_TRIES {
@@ -193,8 +200,16 @@ impl Counts {
                 Err(crate::cache::CacheError::Timeout(budget))
             }
         };
-        if let Err(e) = result {
-            tracing::warn!(target_id = %target, error = %e, "count cache not updated; the entry is dropped once Redis answers, and the consumer's write of this change corrects it");
+        match result {
+            Ok(()) => None,
+            Err(e) => {
+                tracing::warn!(target_id = %target, error = %e, "count cache not updated; the entry is dropped once Redis answers, and the consumer's write of this change corrects it");
+                // A call that timed out on this side (each has its own
+                // timeout, shorter than the budget) may still run in Redis
+                // until the deadline, which Redis reads on its own clock:
+                // the whole budget covers both.
+                Some(started + budget)
+            }
         }
     }
 }

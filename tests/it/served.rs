@@ -267,6 +267,60 @@ async fn a_change_reconcile_counted_before_its_votes_cache_step_is_served_once()
     Ok(())
 }
 
+/// A vote's cache step whose command is held on its way to Redis past the
+/// call's own timeout, but not past the deadline Redis checks, still lands.
+/// The vote is published only once that deadline has passed, so the
+/// consumer's write-through comes after the step and takes it out. Published
+/// at once, the consumer counted the like first, the step then added it
+/// again, and the drop owed for it was lost with the link: served 2 for 1.
+#[tokio::test]
+async fn a_cache_step_that_lands_after_its_call_timed_out_is_not_counted_twice() -> TestResult {
+    use crate::support::LateLink;
+
+    let env = TestEnv::new().await;
+    let redis_port = env
+        .redis
+        .url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .unwrap_or(6379);
+    let link = LateLink::start(redis_port).await;
+    let direct = env.spawn_app().await;
+    // The scripts loaded, and the entry filled, on the direct path.
+    let warm = direct.vote("warm", new_key(), "warm", "like").await;
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    assert_eq!(
+        totals_served(&direct, "held").await,
+        Some(Totals::default())
+    );
+    let mut config = env.api_config();
+    config.stores.redis.url = format!("redis://127.0.0.1:{}", link.port);
+    let held = env.spawn_app_with(config).await;
+    let consumer = env.start_consumer();
+
+    // Held 1.4 s: past the call's 500 ms, within Redis's 1.9 s deadline.
+    link.hold_next_script(Duration::from_millis(1400));
+    let vote = held.vote("ann", new_key(), "held", "like").await;
+    assert_eq!(vote.status, 200, "{}", vote.body);
+    eventually(
+        "the held step to land and the like to be counted",
+        Duration::from_secs(30),
+        || async {
+            let counted = env.stats().await.get("held").map(|t| t.likes()) == Some(1);
+            (link.delivered() && counted).then_some(())
+        },
+    )
+    .await;
+    env.wait_until_no_drift(Duration::from_secs(30)).await;
+    consumer.stop().await;
+    let served = totals_served(&direct, "held")
+        .await
+        .map(|t| t.get(Reaction::Like));
+    assert_eq!(served, Some(1), "served against one like");
+    Ok(())
+}
+
 /// A mark says a user is counted at a version; a write-through that arrives
 /// late (a former owner's, after a rebalance) carries an older mark, and
 /// must not lower it: a late cache step between the two would pass.

@@ -143,3 +143,108 @@ pub fn free_port() -> u16 {
     }
     panic!("no free port between {lo} and {hi}")
 }
+
+/// A TCP link to a server on 127.0.0.1 that, once told to hold, delivers the
+/// next script call (`EVALSHA`) sent through it `late` after it came, and
+/// loses every byte sent to the server after that one: a network that
+/// delays one command past its caller's timeout, then drops the link.
+/// Answers from the server pass as they come.
+pub struct LateLink {
+    pub port: u16,
+    mode: std::sync::Arc<std::sync::Mutex<LinkMode>>,
+    delivered: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone, Copy)]
+enum LinkMode {
+    Pass,
+    Hold(std::time::Duration),
+    Lose,
+}
+
+impl LateLink {
+    pub async fn start(upstream: u16) -> LateLink {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = listener.local_addr().map_or(0, |a| a.port());
+        let mode = std::sync::Arc::new(std::sync::Mutex::new(LinkMode::Pass));
+        let delivered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (m, d) = (mode.clone(), delivered.clone());
+        let accepting = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(carry(client, upstream, m.clone(), d.clone()));
+            }
+        });
+        LateLink {
+            port,
+            mode,
+            delivered,
+            accepting,
+        }
+    }
+
+    pub fn hold_next_script(&self, late: std::time::Duration) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = LinkMode::Hold(late);
+    }
+
+    /// Whether the held script call has reached the server.
+    pub fn delivered(&self) -> bool {
+        self.delivered.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for LateLink {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+async fn carry(
+    client: tokio::net::TcpStream,
+    upstream: u16,
+    mode: std::sync::Arc<std::sync::Mutex<LinkMode>>,
+    delivered: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+        return;
+    };
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from_client.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let chunk = buf[..n].to_vec();
+        let now = *mode.lock().unwrap_or_else(|e| e.into_inner());
+        match now {
+            LinkMode::Hold(late) if chunk.windows(7).any(|w| w == b"EVALSHA") => {
+                *mode.lock().unwrap_or_else(|e| e.into_inner()) = LinkMode::Lose;
+                let delivered = delivered.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(late).await;
+                    if to_server.write_all(&chunk).await.is_ok() {
+                        delivered.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    // Kept open, so the server does not see the link go.
+                    std::future::pending::<()>().await;
+                });
+                while matches!(from_client.read(&mut buf).await, Ok(n) if n > 0) {}
+                return;
+            }
+            LinkMode::Pass | LinkMode::Hold(_) => {
+                if to_server.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+            LinkMode::Lose => {}
+        }
+    }
+}
