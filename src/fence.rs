@@ -8,7 +8,7 @@
 //! written: one with a writer landing between its two reads, and one whose
 //! rows came from replicas a commit had not yet reached while its head came
 //! from one it had (see `FencedWrite`). A lost fence, or a write whose
-//! outcome is unknown, starts a new round at LOCAL_SERIAL, which completes
+//! outcome is unknown, starts a new round at SERIAL, which completes
 //! any Paxos round still in flight; a write that did land shows up there as
 //! versions already applied.
 

@@ -504,7 +504,7 @@ impl BucketPass<'_> {
             // The bucket is counted: totals that differ from the sum of its
             // applied states were damaged, and are replaced by that sum.
             // That write is conditioned on the fence alone, so it is decided
-            // only by a pass that began at LOCAL_SERIAL: a commit that had
+            // only by a pass that began at SERIAL: a commit that had
             // reached one replica (seen in the head, missed by a page) is
             // then on a quorum before any row is read. A dry run writes
             // nothing, and a second pass would count its findings twice.

@@ -21,9 +21,28 @@ use super::{Cas, StoreError, classify, token_of};
 use crate::domain::reaction::N_COUNTED;
 use crate::domain::{Applied, Bucket, Layout, Reaction, TargetId, TargetType, Totals, UserId};
 
-/// Which read a fenced writer needs: a plain LOCAL_QUORUM read, or one at
-/// LOCAL_SERIAL, which first completes any Paxos round still in flight on the
-/// partition (after a lost fence or an unknown outcome).
+/// The levels of the `seq` fence: its Paxos round and the read that
+/// completes one run over every datacenter's replicas, whatever
+/// `--serial-consistency` says. Users are homed to a region, targets are
+/// not: each region's consumer counts the votes on one target, and under
+/// LOCAL_SERIAL two regions could each win `IF seq = s` on one bucket, and
+/// replication would keep one of their totals and both of their applied
+/// rows, a count lost for good. In one datacenter the two are the same
+/// replicas, at the same cost. Plain reads and the commit stay at the
+/// configured level: a stale read only loses the fence and reads again at
+/// SERIAL.
+fn fence_levels(configured: super::Levels) -> super::Levels {
+    let global = super::SerialScope::Serial.levels();
+    super::Levels {
+        serial: global.serial,
+        serial_read: global.serial_read,
+        ..configured
+    }
+}
+
+/// Which read a fenced writer needs: a plain quorum read, or one at SERIAL,
+/// which first completes any Paxos round still in flight on the partition
+/// (after a lost fence or an unknown outcome).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadAt {
     Quorum,
@@ -139,6 +158,7 @@ impl Stats {
         levels: super::Levels,
         layout: Layout,
     ) -> anyhow::Result<Stats> {
+        let levels = fence_levels(levels);
         // One column per counted reaction, named after its total.
         let totals = Reaction::total_names().collect::<Vec<_>>();
         // Only static columns: LIMIT 1 returns the partition's one value.
@@ -460,6 +480,19 @@ impl SerializeRow for Row<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fence_runs_paxos_over_every_datacenter_whatever_the_votes_scope() {
+        use crate::store::SerialScope;
+        use scylla::statement::{Consistency, SerialConsistency};
+        for scope in [SerialScope::LocalSerial, SerialScope::Serial] {
+            let configured = scope.levels();
+            let fence = fence_levels(configured);
+            assert_eq!(fence.serial, SerialConsistency::Serial, "{scope:?}");
+            assert_eq!(fence.serial_read, Consistency::Serial, "{scope:?}");
+            assert_eq!(fence.quorum, configured.quorum, "{scope:?}");
+        }
+    }
 
     fn row(user: Option<&str>, version: Option<i64>, state: Option<&str>) -> StoredRow {
         (
