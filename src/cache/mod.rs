@@ -414,6 +414,10 @@ else
   redis.call('HSET', KEYS[1], field, version .. '|' .. to .. '|' .. from .. '|' .. now)
 end
 serve(KEYS[1], totals)
+-- An entry holding a change the consumer has yet to count lives at least
+-- the TTL from now, which follows the consumer's lag: its write-throughs,
+-- which keep entries alive, stop while it lags.
+redis.call('EXPIRE', KEYS[1], ARGV[2], 'GT')
 return totals
 ";
 
@@ -675,6 +679,8 @@ pub struct Cache {
     settle: Arc<Script>,
     drop_behind: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
+    /// How old a pending change may be before a write-through drops it, ms.
+    stale_ms: Arc<AtomicU64>,
     timeout: Duration,
     /// Entries a change, a write through or a settle could not reach, shared by every
     /// clone (see `owed`).
@@ -691,7 +697,8 @@ struct Held {
 }
 
 /// How old a pending change may grow before a write-through drops it: far
-/// beyond a healthy consumer's lag.
+/// beyond a healthy consumer's lag. A lagging consumer's changes may be
+/// older, so the bound follows the lag (see `Cache::follow_lag`).
 const PENDING_STALE: Duration = Duration::from_secs(30);
 
 /// Keys dropped a round trip when the drops owed are paid.
@@ -720,6 +727,7 @@ impl Cache {
             settle: script(SETTLE),
             drop_behind: Arc::new(Script::new(DROP_BEHIND)),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
+            stale_ms: Arc::new(AtomicU64::new(millis(PENDING_STALE))),
             timeout: config.timeout,
             owed: Arc::default(),
         })
@@ -766,6 +774,22 @@ impl Cache {
 
     pub fn set_ttl(&self, ttl: Duration) {
         self.ttl_secs.store(ttl.as_secs().max(1), Ordering::Relaxed);
+    }
+
+    /// Keeps pending changes at least twice the consumers' lag, plus a
+    /// margin: a write-through drops older ones as left behind, and while
+    /// the consumer lags, changes that old are still to be counted. Dropped,
+    /// the served counts went back by every vote of the lag until the
+    /// consumer caught up.
+    pub fn follow_lag(&self, lag_seconds: f64) {
+        let lagging = Duration::from_secs_f64((lag_seconds.max(0.0) * 2.0 + 10.0).min(1e9));
+        let stale = lagging.clamp(PENDING_STALE, values::LONGEST);
+        self.stale_ms.store(millis(stale), Ordering::Relaxed);
+    }
+
+    /// How old a pending change may grow before a write-through drops it.
+    pub fn pending_stale(&self) -> Duration {
+        Duration::from_millis(self.stale_ms.load(Ordering::Relaxed))
     }
 
     /// A connection for one operation, and the number it is shared under.
@@ -1051,7 +1075,7 @@ impl Cache {
         let mut call = self.write_through.key(self.key(target));
         call.arg(N_COUNTED)
             .arg(self.ttl().as_secs())
-            .arg(u64::try_from(PENDING_STALE.as_millis()).unwrap_or(u64::MAX))
+            .arg(self.stale_ms.load(Ordering::Relaxed))
             .arg(written.buckets.count())
             .arg(names())
             .arg(written.bucket.index())
@@ -1508,6 +1532,10 @@ impl Cache {
     }
 }
 
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Per bucket, in order: the seq (0 for a bucket never written) and the base.
 fn push_heads(call: &mut redis::ScriptInvocation<'_>, heads: &Heads) {
     for h in &heads.0 {
@@ -1515,8 +1543,9 @@ fn push_heads(call: &mut redis::ScriptInvocation<'_>, heads: &Heads) {
     }
 }
 
-/// How long cache entries live: longer than the worst consumer lag we accept,
-/// so an entry never expires while the durable totals are still behind it.
+/// How long cache entries live from their last fill, write-through or vote:
+/// twice the consumer's lag and more, so that an entry voted on during the
+/// lag does not expire while the durable totals are still behind it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TtlPolicy {
     /// Shortest cache TTL, used while the consumer keeps up.
@@ -1560,6 +1589,7 @@ impl TtlPolicy {
                     }
                     let worst = lags.iter().map(|l| l.seconds).fold(0.0, f64::max);
                     cache.set_ttl(self.ttl_for_lag(worst));
+                    cache.follow_lag(worst);
                     warned = false;
                 }
                 Ok(Err(e)) if !warned => {

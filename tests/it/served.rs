@@ -321,6 +321,124 @@ async fn a_cache_step_that_lands_after_its_call_timed_out_is_not_counted_twice()
     Ok(())
 }
 
+/// While the consumer is behind, its write-throughs, which keep entries
+/// alive, stop; an entry that then expired was filled again from durable
+/// totals without the votes of the lag, and served counts went back. A vote
+/// keeps its entry at least the TTL from its change.
+#[tokio::test]
+async fn an_entry_holding_a_change_not_yet_counted_outlives_its_first_ttl() -> TestResult {
+    let env = TestEnv::new().await;
+    let mut config = env.api_config();
+    config.cache_ttl = tally::cache::TtlPolicy {
+        min: Duration::from_secs(2),
+        max: Duration::from_secs(2),
+    };
+    // No consumer: nothing counts the like durably during the test.
+    let app = env.spawn_app_with(config).await;
+    assert_eq!(
+        totals_served(&app, "lagging").await,
+        Some(Totals::default())
+    );
+    let key = format!("{}:d:lagging", env.redis.prefix);
+    let mut redis = redis::Client::open(env.redis.url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let expiry = eventually(
+        "the entry to near its expiry",
+        Duration::from_secs(5),
+        || {
+            let (key, mut redis) = (key.clone(), redis.clone());
+            async move {
+                let left: i64 = redis::cmd("PTTL")
+                    .arg(&key)
+                    .query_async(&mut redis)
+                    .await
+                    .ok()?;
+                (0..800)
+                    .contains(&left)
+                    .then(|| Instant::now() + Duration::from_millis(left as u64))
+            }
+        },
+    )
+    .await;
+    let like = app.vote("ann", new_key(), "lagging", "like").await;
+    assert_eq!(like.status, 200, "{}", like.body);
+    // Time passing is what is tested: past the entry's first expiry.
+    tokio::time::sleep_until((expiry + Duration::from_millis(300)).into()).await;
+    let served = totals_served(&app, "lagging")
+        .await
+        .map(|t| t.get(Reaction::Like));
+    assert_eq!(served, Some(1), "the like, still to be counted durably");
+    let left: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut redis).await?;
+    assert!(left > 0, "{left}");
+    Ok(())
+}
+
+/// A write-through drops pending changes left behind (older than 30 s),
+/// unless the consumers' lag says changes that old may still be counted.
+#[tokio::test]
+async fn a_lagging_consumer_keeps_the_pending_changes_it_has_yet_to_count() -> TestResult {
+    use tally::cache::{Cache, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let one = Layout::new(1)?;
+    let mut redis = redis::Client::open(env.redis.url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let (ann, bob) = (UserId::parse("ann")?, UserId::parse("bob")?);
+    for (id, lag, expected) in [("lag_60s", Some(60.0), 2), ("no_lag", None, 1)] {
+        let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
+        if let Some(lag) = lag {
+            cache.follow_lag(lag);
+        }
+        let target = TargetId::parse(id)?;
+        let empty = Head {
+            seq: Some(1),
+            totals: Totals::default(),
+            target_type: None,
+        };
+        fill(&cache, &target, &Heads(vec![empty])).await?;
+        count_first_like(&cache, &target, &ann, one).await?;
+        // Ann's change, counted in the cache 40 s ago.
+        let key = format!("{}:d:{id}", env.redis.prefix);
+        let field = "p:ann";
+        let change: String = redis::cmd("HGET")
+            .arg(&key)
+            .arg(field)
+            .query_async(&mut redis)
+            .await?;
+        let (rest, ms) = change.rsplit_once('|').unwrap_or_default();
+        let aged = ms.parse::<u64>()? - 40_000;
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg(field)
+            .arg(format!("{rest}|{aged}"))
+            .query_async(&mut redis)
+            .await?;
+        // The consumer counts bob's like, not yet ann's.
+        let users = [(
+            bob.clone(),
+            Applied {
+                version: 1,
+                state: Reaction::Like,
+            },
+        )];
+        let written = Written {
+            buckets: one,
+            bucket: Bucket::FIRST,
+            seq: 2,
+            totals: Totals::count([Reaction::Like]),
+            users: &users,
+            ahead: &[],
+        };
+        cache.write_through(&target, &written).await?;
+        assert_eq!(served_likes(&cache, &target).await?, Some(expected), "{id}");
+    }
+    Ok(())
+}
+
 /// A mark says a user is counted at a version; a write-through that arrives
 /// late (a former owner's, after a rebalance) carries an older mark, and
 /// must not lower it: a late cache step between the two would pass.
