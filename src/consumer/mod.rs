@@ -39,7 +39,7 @@ use crate::domain::{Applied, Bucket, Ledger, TargetId, TargetType, Transition, U
 use crate::fence::{self, Ending, Fold, Left, MAX_USERS_PER_WRITE, Read, Step};
 use crate::ops::Stores;
 use crate::store::Cas;
-use crate::store::reactions::{Current, Reactions};
+use crate::store::reactions::{Reactions, Seen};
 use crate::store::stats::FencedWrite;
 use crate::store::stats::Stats;
 use crate::store::targets::Targets;
@@ -914,7 +914,7 @@ fn beliefs(events: &[Transition]) -> Option<HashMap<UserId, Applied>> {
 /// cannot: there is no row, the row is at an older version, or it holds
 /// another state at the event's own version. An older event is a replay or
 /// was overtaken, which the apply rule handles.
-fn contradicts(t: &Transition, row: Option<&Current>) -> Option<String> {
+fn contradicts(t: &Transition, row: Option<&Seen>) -> Option<String> {
     match row {
         None => Some(format!(
             "user {} has no reaction row for target {}: not an event of this service",
@@ -924,15 +924,22 @@ fn contradicts(t: &Transition, row: Option<&Current>) -> Option<String> {
             "version {} is ahead of the row of user {} for target {} (version {})",
             t.version, t.user_id, t.target_id, row.version
         )),
-        Some(row) if row.version == t.version && row.state != t.to => Some(format!(
-            "the row of user {} for target {} holds {} at version {}, not {}",
+        // A row past the event says nothing of the event's state: a state
+        // this release does not know there (a newer release's) is no reason.
+        Some(row) if row.version > t.version => None,
+        Some(Seen {
+            state: Ok(state), ..
+        }) if *state == t.to => None,
+        Some(Seen { state, version }) => Some(format!(
+            "the row of user {} for target {} holds {} at version {version}, not {}",
             t.user_id,
             t.target_id,
-            row.state.as_str(),
-            row.version,
+            match state {
+                Ok(known) => known.as_str().to_owned(),
+                Err(unknown) => format!("{unknown:?}, a state this release does not know,"),
+            },
             t.to.as_str()
         )),
-        Some(_) => None,
     }
 }
 
@@ -976,7 +983,10 @@ mod tests {
     #[test]
     fn events_ahead_of_their_row_or_without_one_contradict_it() {
         let t = step("u", 5, Reaction::None, Reaction::Like);
-        let at = |version, state| Current { state, version };
+        let at = |version, state| Seen {
+            version,
+            state: Ok(state),
+        };
         assert!(contradicts(&t, None).is_some(), "no row");
         assert!(
             contradicts(&t, Some(&at(4, Reaction::None))).is_some(),
@@ -993,6 +1003,22 @@ mod tests {
         assert!(
             contradicts(&t, Some(&at(9, Reaction::None))).is_none(),
             "overtaken"
+        );
+        // A newer release's state: overtaken still holds; at the event's
+        // own version it cannot be the event's state.
+        let unknown = |version| Seen {
+            version,
+            state: Err("love".to_owned()),
+        };
+        assert!(contradicts(&t, Some(&unknown(6))).is_none(), "overtaken");
+        let reason = contradicts(&t, Some(&unknown(5))).unwrap_or_default();
+        assert!(
+            reason.contains("\"love\", a state this release does not know"),
+            "{reason}"
+        );
+        assert!(
+            contradicts(&t, Some(&unknown(4))).is_some(),
+            "from the future"
         );
     }
 

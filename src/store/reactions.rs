@@ -429,13 +429,24 @@ impl Reactions {
     }
 }
 
+/// A user's row as a checker reads it: its version always, its state only
+/// if this release knows it (a newer release may have added a reaction).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub version: i64,
+    /// The state, or the name of one this release does not know.
+    pub state: Result<Reaction, String>,
+}
+
 impl Reactions {
-    /// Each user's row of `target`, for those who have one.
+    /// Each user's row of `target`, for those who have one. A state this
+    /// release does not know is kept by name rather than failing the read:
+    /// the read would fail on every try, and the events behind it wait.
     pub async fn rows_of(
         &self,
         users: &[&UserId],
         target: &TargetId,
-    ) -> Result<HashMap<UserId, Current>, StoreError> {
+    ) -> Result<HashMap<UserId, Seen>, StoreError> {
         let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
         let rows: Vec<(String, Option<String>, Option<i64>)> =
             super::all_rows(&self.session, &self.rows_of_users, (ids, target.as_str())).await?;
@@ -445,12 +456,8 @@ impl Reactions {
             else {
                 continue;
             };
-            let state = state
-                .parse()
-                .map_err(|e: crate::domain::reaction::UnknownReaction| {
-                    StoreError::Corrupt(e.to_string())
-                })?;
-            out.insert(user, Current { state, version });
+            let state = state.parse::<Reaction>().map_err(|_| state);
+            out.insert(user, Seen { version, state });
         }
         Ok(out)
     }
