@@ -71,23 +71,12 @@ pub(super) fn measure(
         let Ok((low, high)) = consumer.fetch_watermarks(topic, p, Duration::from_secs(2)) else {
             continue;
         };
-        let (next, seconds_source) = match positions.get(p) {
-            Some((next, ts)) => (next, Some(ts)),
-            None => {
-                let from_commit = committed
-                    .as_ref()
-                    .and_then(|c| c.find_partition(topic, p))
-                    .and_then(|e| e.offset().to_raw())
-                    .filter(|o| *o >= 0);
-                (from_commit.unwrap_or(low), None)
-            }
-        };
-        let messages = (high - next).max(0);
-        let seconds = match (messages, seconds_source) {
-            (0, _) => 0.0,
-            (_, Some(ts)) => ((now_ms() - ts).max(0) as f64) / 1000.0,
-            (_, None) => 0.0,
-        };
+        let committed_at = committed
+            .as_ref()
+            .and_then(|c| c.find_partition(topic, p))
+            .and_then(|e| e.offset().to_raw())
+            .filter(|o| *o >= 0);
+        let (messages, seconds) = behind(positions.get(p), committed_at, (low, high), now_ms());
         out.push(PartitionLag {
             partition: p,
             messages,
@@ -95,6 +84,31 @@ pub(super) fn measure(
         });
     }
     out
+}
+
+/// How far one partition is behind its high watermark: in messages, and in
+/// seconds since the last message processed, when there are some waiting.
+/// A position older than the group's committed offset is another member's
+/// work since (the partition went away in a rebalance and came back): the
+/// committed offset is then where this member stands, of unknown age, as
+/// for a partition it never processed.
+fn behind(
+    position: Option<(i64, i64)>,
+    committed: Option<i64>,
+    (low, high): (i64, i64),
+    now_ms: i64,
+) -> (i64, f64) {
+    let (next, last_ms) = match (position, committed) {
+        (Some((next, _)), Some(c)) if c > next => (c, None),
+        (Some((next, ts)), _) => (next, Some(ts)),
+        (None, c) => (c.unwrap_or(low), None),
+    };
+    let messages = (high - next).max(0);
+    let seconds = match (messages, last_ms) {
+        (0, _) | (_, None) => 0.0,
+        (_, Some(ts)) => ((now_ms - ts).max(0) as f64) / 1000.0,
+    };
+    (messages, seconds)
 }
 
 /// The group's lag as seen from outside the consumer, from its committed
@@ -178,4 +192,28 @@ fn oldest_age(
     let message = observer.poll(Duration::from_secs(2))?.ok()?;
     let ts = message.timestamp().to_millis()?;
     Some(((now_ms() - ts).max(0) as f64) / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::behind;
+
+    #[test]
+    fn a_position_another_member_has_gone_past_is_not_lag() {
+        let now = 100_000;
+        // Processed up to 1,000 a minute ago; another member took the
+        // partition, counted to 5,000 and committed; it came back.
+        assert_eq!(
+            behind(Some((1_000, 40_000)), Some(5_000), (0, 5_000), now),
+            (0, 0.0)
+        );
+        // Behind its own position, with messages waiting: aged from the last.
+        assert_eq!(
+            behind(Some((900, 40_000)), Some(800), (0, 1_000), now),
+            (100, 60.0)
+        );
+        // Never processed here: from the committed offset, age unknown.
+        assert_eq!(behind(None, Some(700), (0, 1_000), now), (300, 0.0));
+        assert_eq!(behind(None, None, (200, 1_000), now), (800, 0.0));
+    }
 }
