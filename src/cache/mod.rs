@@ -448,7 +448,10 @@ return served(KEYS[1], names)
 /// keeps this one and serves nothing until a read fills the rest.
 /// Users counted ahead of their votes get a `c:` mark, so that a vote's
 /// change arriving later is not counted again; a mark only rises (a late
-/// write-through's older mark would let a step between the two through). An entry no fill has armed
+/// write-through's older mark would let a step between the two through),
+/// and keeps its entry as long as it lasts, `stale`, whatever the TTL: an
+/// entry gone before the step came would be filled with the change counted
+/// and the step would count it again. An entry no fill has armed
 /// (none, or one holding marks alone) gets only the marks: the read or vote
 /// that fills it arms its fence first and then reads every bucket's head,
 /// this write's or newer. A base written there by a write through that
@@ -472,10 +475,17 @@ local function mark(now)
     end
   end
 end
+-- A mark must last as long as a late step may come, whatever the TTL.
+local function keep_marks()
+  if tonumber(ARGV[m_at]) > 0 then
+    redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) / 1000), 'GT')
+  end
+end
 if redis.call('HEXISTS', KEYS[1], 'g') == 0 then
   if tonumber(ARGV[m_at]) > 0 then
     mark(now_ms())
     redis.call('EXPIRE', KEYS[1], ARGV[2])
+    keep_marks()
   end
   return 0
 end
@@ -501,6 +511,7 @@ local now = now_ms()
 mark(now)
 recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+keep_marks()
 if newer then return 1 end
 return 0
 ";

@@ -439,6 +439,60 @@ async fn a_lagging_consumer_keeps_the_pending_changes_it_has_yet_to_count() -> T
     Ok(())
 }
 
+/// A mark keeps its entry for as long as a late cache step may come, even
+/// past a TTL shorter than that: the entry filled again once the mark had
+/// gone with it would count the change, and the late step would count it
+/// again on top.
+#[tokio::test]
+async fn a_mark_outlives_a_ttl_shorter_than_a_late_step_may_take() -> TestResult {
+    use tally::cache::{Cache, Counted, Written};
+    use tally::domain::{Applied, Bucket, Layout, TargetId, UserId};
+    use tally::store::stats::{Head, Heads};
+
+    let env = TestEnv::new().await;
+    let ttl = Duration::from_secs(2);
+    let cache = Cache::new(&env.redis, ttl)?;
+    let one = Layout::new(1)?;
+    let target = TargetId::parse("short_ttl")?;
+    let ann = UserId::parse("ann")?;
+    let head = |seq, likes| Head {
+        seq: Some(seq),
+        totals: Totals::count(std::iter::repeat_n(Reaction::Like, likes)),
+        target_type: None,
+    };
+    fill(&cache, &target, &Heads(vec![head(1, 0)])).await?;
+    // Reconcile counts ann's like ahead of her vote's cache step.
+    let users = [(
+        ann.clone(),
+        Applied {
+            version: 1,
+            state: Reaction::Like,
+        },
+    )];
+    let written = Written {
+        buckets: one,
+        bucket: Bucket::FIRST,
+        seq: 2,
+        totals: Totals::count([Reaction::Like]),
+        users: &users,
+        ahead: &[(ann.clone(), 1)],
+    };
+    cache.write_through(&target, &written).await?;
+    // Time passing is what is tested: past the TTL, within a vote's time.
+    tokio::time::sleep(ttl + Duration::from_millis(500)).await;
+    // The late step, filling the entry from the durable head if it is gone.
+    let late = first_like(&ann);
+    let deadline = cache.change_deadline();
+    if let Counted::NeedsHeads(fence) = cache.apply(&target, &late, one, None, deadline).await? {
+        let durable = Heads(vec![head(2, 1)]);
+        cache
+            .apply(&target, &late, one, Some((&fence, &durable)), deadline)
+            .await?;
+    }
+    assert_eq!(served_likes(&cache, &target).await?, Some(1));
+    Ok(())
+}
+
 /// A mark says a user is counted at a version; a write-through that arrives
 /// late (a former owner's, after a rebalance) carries an older mark, and
 /// must not lower it: a late cache step between the two would pass.
