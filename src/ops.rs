@@ -237,6 +237,28 @@ pub async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
         .body(handle.render())
 }
 
+/// A resource of the operator server that answers other methods with a
+/// JSON 405, as the API does, rather than actix's empty 404.
+fn only_get(path: &str) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(|| async {
+        let mut res = refusal(
+            actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "this endpoint answers GET only",
+        );
+        res.headers_mut().insert(
+            actix_web::http::header::ALLOW,
+            actix_web::http::header::HeaderValue::from_static("GET"),
+        );
+        res
+    }))
+}
+
+/// An error in the API's shape: `{"error": {"code", "message"}}`.
+fn refusal(status: actix_web::http::StatusCode, code: &str, message: &str) -> HttpResponse {
+    HttpResponse::build(status).json(json!({ "error": { "code": code, "message": message } }))
+}
+
 /// A role's small HTTP server for the three endpoints, and the background
 /// checks behind them. Returns the bound port and the server future.
 pub fn serve(
@@ -253,9 +275,16 @@ pub fn serve(
         App::new()
             .app_data(readiness.clone())
             .app_data(handle.clone())
-            .route("/metrics", web::get().to(metrics))
-            .route("/healthz", web::get().to(healthz))
-            .route("/readyz", web::get().to(readyz))
+            .service(only_get("/metrics").route(web::get().to(metrics)))
+            .service(only_get("/healthz").route(web::get().to(healthz)))
+            .service(only_get("/readyz").route(web::get().to(readyz)))
+            .default_service(web::to(|| async {
+                refusal(
+                    actix_web::http::StatusCode::NOT_FOUND,
+                    "not_found",
+                    "no such endpoint: /metrics, /healthz and /readyz are served here",
+                )
+            }))
     })
     .workers(1)
     .disable_signals()

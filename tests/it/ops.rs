@@ -47,6 +47,20 @@ async fn metrics_show_every_signal_and_lag_rises_while_the_consumer_is_stopped()
             .await?;
         assert_eq!(public.status().as_u16(), 404, "{path} on the public port");
     }
+    // The operator port refuses what it does not serve as the API does: in JSON.
+    for (method, path, status, code) in [
+        (reqwest::Method::GET, "/nope", 404, "not_found"),
+        (reqwest::Method::POST, "/metrics", 405, "method_not_allowed"),
+    ] {
+        let reply = app
+            .client
+            .request(method, format!("{}{path}", app.ops))
+            .send()
+            .await?;
+        assert_eq!(reply.status().as_u16(), status, "{path}");
+        let body: serde_json::Value = reply.json().await?;
+        assert_eq!(body["error"]["code"], code, "{path}: {body}");
+    }
 
     let consumer = env.start_consumer();
     assert_eq!(app.random_votes(&mut Rng(21), 30, 10, 3, 8).await, 30);
