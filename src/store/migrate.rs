@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::TryStreamExt;
@@ -161,14 +162,33 @@ pub struct Report {
     pub layout: Option<Layout>,
 }
 
+/// How long a run waits for another run's lease before it gives up.
+pub const LEASE_WAIT: Duration = Duration::from_secs(600);
+
+/// How long a lease lasts unless renewed: a run that dies leaves it to
+/// expire. Renewed before every migration, each of which takes far less.
+const LEASE_TTL_SECS: i32 = 300;
+
 /// Creates the keyspace if needed and applies pending migrations in order,
 /// waiting for schema agreement after every DDL statement so the next one
-/// (or the first prepared statement) sees it on every node.
+/// (or the first prepared statement) sees it on every node. One run at a
+/// time: a run waits up to `LEASE_WAIT` for another's lease.
 pub async fn run(
     session: &Session,
     keyspace: &str,
     replication: &Replication,
     buckets: Option<Layout>,
+) -> anyhow::Result<Report> {
+    run_waiting(session, keyspace, replication, buckets, LEASE_WAIT).await
+}
+
+/// `run`, waiting at most `lease_wait` for another run to finish.
+pub async fn run_waiting(
+    session: &Session,
+    keyspace: &str,
+    replication: &Replication,
+    buckets: Option<Layout>,
+    lease_wait: Duration,
 ) -> anyhow::Result<Report> {
     check_keyspace_name(keyspace).map_err(anyhow::Error::msg)?;
     ddl(
@@ -180,6 +200,131 @@ pub async fn run(
         .use_keyspace(keyspace, false)
         .await
         .context("Failed to use the keyspace")?;
+    ddl(
+        session,
+        "CREATE TABLE IF NOT EXISTS schema_lease (name text PRIMARY KEY, owner uuid, since timestamp)",
+    )
+    .await?;
+    let lease = Lease::take(session, keyspace, lease_wait).await?;
+    let report = apply_pending(session, keyspace, buckets, &lease).await;
+    lease.give_back(session, keyspace).await;
+    report
+}
+
+/// The right to migrate a keyspace, held by one run at a time. Two runs at
+/// once could both apply a migration neither had recorded: 0005 drops
+/// `target_stats`, and a second run's drop could land after the first had
+/// recreated it and the services had started counting into it.
+struct Lease {
+    owner: uuid::Uuid,
+}
+
+impl Lease {
+    async fn take(session: &Session, keyspace: &str, wait: Duration) -> anyhow::Result<Lease> {
+        let owner = uuid::Uuid::new_v4();
+        let mut take = lease_statement(
+            keyspace,
+            "INSERT INTO schema_lease (name, owner, since) VALUES ('migrate', ?, toTimestamp(now())) \
+             IF NOT EXISTS USING TTL ?",
+        );
+        take.set_request_timeout(Some(DDL_TIMEOUT));
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let (applied, holder) = conditional(session, &take, (owner, LEASE_TTL_SECS)).await?;
+            if applied {
+                return Ok(Lease { owner });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!(
+                    "another tally migrate holds the keyspace's lease ({}); it expires {LEASE_TTL_SECS} s \
+                     after that run last renewed it",
+                    holder.map_or("unknown".to_owned(), |h| h.to_string())
+                );
+            }
+            tracing::info!(holder = ?holder, "another tally migrate is running; waiting for it");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Extends the lease, and fails if it was lost (it expired, and another
+    /// run took it): nothing more may be applied then.
+    async fn renew(&self, session: &Session, keyspace: &str) -> anyhow::Result<()> {
+        let renew = lease_statement(
+            keyspace,
+            "UPDATE schema_lease USING TTL ? SET owner = ?, since = toTimestamp(now()) \
+             WHERE name = 'migrate' IF owner = ?",
+        );
+        let (applied, holder) =
+            conditional(session, &renew, (LEASE_TTL_SECS, self.owner, self.owner)).await?;
+        if !applied {
+            bail!(
+                "this run's lease on the keyspace expired and is held by {}; run tally migrate again",
+                holder.map_or("nobody".to_owned(), |h| h.to_string())
+            );
+        }
+        Ok(())
+    }
+
+    /// Gives the lease back; if that fails, it expires on its own.
+    async fn give_back(self, session: &Session, keyspace: &str) {
+        let release = lease_statement(
+            keyspace,
+            "DELETE FROM schema_lease WHERE name = 'migrate' IF owner = ?",
+        );
+        if let Err(e) = conditional(session, &release, (self.owner,)).await {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "the migration lease was not given back; it expires on its own"
+            );
+        }
+    }
+}
+
+/// A lightweight transaction on the lease, linearizable across every
+/// datacenter: runs may start in any of them.
+fn lease_statement(keyspace: &str, cql: &str) -> scylla::statement::unprepared::Statement {
+    let mut statement =
+        scylla::statement::unprepared::Statement::new(super::qualify(keyspace, cql));
+    statement.set_consistency(scylla::statement::Consistency::Quorum);
+    statement.set_serial_consistency(Some(scylla::statement::SerialConsistency::Serial));
+    statement
+}
+
+/// Runs a conditional statement on the lease: whether it applied, and the
+/// owner it found if it did not.
+async fn conditional(
+    session: &Session,
+    statement: &scylla::statement::unprepared::Statement,
+    values: impl scylla::serialize::row::SerializeRow,
+) -> anyhow::Result<(bool, Option<uuid::Uuid>)> {
+    let rows = session
+        .query_unpaged(statement.clone(), values)
+        .await
+        .context("Failed to reach the migration lease")?
+        .into_rows_result()
+        .context("the migration lease answered no rows")?;
+    let specs = rows.column_specs();
+    let owner_at = specs.iter().position(|c| c.name() == "owner");
+    let row: scylla::value::Row = rows
+        .first_row()
+        .context("the migration lease answered no row")?;
+    let applied = matches!(
+        row.columns.first(),
+        Some(Some(scylla::value::CqlValue::Boolean(true)))
+    );
+    let holder = owner_at
+        .and_then(|i| row.columns.get(i).cloned().flatten())
+        .and_then(|v| v.as_uuid());
+    Ok((applied, holder))
+}
+
+/// Applies what is not yet recorded, under the lease.
+async fn apply_pending(
+    session: &Session,
+    keyspace: &str,
+    buckets: Option<Layout>,
+    lease: &Lease,
+) -> anyhow::Result<Report> {
     ddl(
         session,
         "CREATE TABLE IF NOT EXISTS schema_migrations (id text PRIMARY KEY, checksum text, applied_at timestamp)",
@@ -205,6 +350,7 @@ pub async fn run(
                 m.id
             ),
             None => {
+                lease.renew(session, keyspace).await?;
                 for stmt in statements(m.cql) {
                     if let Some((table, columns)) = added_columns(&stmt)
                         && has_columns(session, keyspace, table, &columns).await?
@@ -311,7 +457,7 @@ async fn has_columns(
 }
 
 /// Schema changes wait for every node; they get far longer than queries.
-const DDL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+const DDL_TIMEOUT: Duration = Duration::from_secs(60);
 
 async fn ddl(session: &Session, stmt: &str) -> anyhow::Result<()> {
     let mut statement = scylla::statement::unprepared::Statement::new(stmt);

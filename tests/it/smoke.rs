@@ -166,6 +166,78 @@ async fn migrate_finishes_migrations_an_earlier_run_applied_but_did_not_record()
     Ok(())
 }
 
+/// Two runs of `tally migrate` at once (an init container in every pod)
+/// could both apply a migration neither had recorded; 0005 drops
+/// `target_stats`, so a second run's drop could land after the first had
+/// recreated it and the services had started counting into it. A run takes
+/// the keyspace's lease, and the other waits for it.
+#[tokio::test]
+async fn migrate_runs_one_at_a_time_under_a_lease() -> TestResult {
+    use store::migrate::{Replication, run_waiting};
+
+    let env = TestEnv::new().await;
+    let session = store::connect(&env.cassandra).await?;
+    let keyspace = env.cassandra.keyspace.as_str();
+    let simple = Replication::Simple(1);
+    let unrecord = "DELETE FROM schema_migrations WHERE id = '0006_intent_shard'";
+    let recorded = async || {
+        env.session
+            .query_unpaged(
+                "SELECT id FROM schema_migrations WHERE id = '0006_intent_shard'",
+                (),
+            )
+            .await
+            .ok()
+            .and_then(|r| r.into_rows_result().ok())
+            .map_or(0, |r| r.rows_num())
+    };
+
+    // Racing runs: one applies the migration, the other finds it recorded.
+    env.cql(unrecord).await;
+    let wait = Duration::from_secs(60);
+    let (a, b) = tokio::join!(
+        run_waiting(&session, keyspace, &simple, None, wait),
+        run_waiting(&session, keyspace, &simple, None, wait),
+    );
+    let (a, b) = (a?, b?);
+    assert_eq!(
+        a.applied.len() + b.applied.len(),
+        1,
+        "applied by both: {:?} and {:?}",
+        a.applied,
+        b.applied
+    );
+
+    // A run whose lease is held applies nothing, and says who holds it.
+    env.cql(unrecord).await;
+    env.cql(
+        "INSERT INTO schema_lease (name, owner, since) \
+         VALUES ('migrate', 6f1d7a3e-0000-4000-8000-000000000001, toTimestamp(now())) \
+         IF NOT EXISTS USING TTL 120",
+    )
+    .await;
+    let refused = run_waiting(&session, keyspace, &simple, None, Duration::from_secs(2))
+        .await
+        .map(|r| r.applied)
+        .map_err(|e| format!("{e:#}"));
+    let reason = refused.err().unwrap_or_default();
+    assert!(
+        reason.contains("another tally migrate holds the keyspace's lease (6f1d7a3e-"),
+        "{reason}"
+    );
+    assert_eq!(recorded().await, 0, "applied under another run's lease");
+    // Once it is given back, the migration is applied, and the lease given
+    // back again: the next run takes it at once.
+    env.cql("DELETE FROM schema_lease WHERE name = 'migrate' IF EXISTS")
+        .await;
+    let done = run_waiting(&session, keyspace, &simple, None, Duration::ZERO).await?;
+    assert_eq!(done.applied, ["0006_intent_shard"]);
+    assert_eq!(recorded().await, 1);
+    let again = run_waiting(&session, keyspace, &simple, None, Duration::ZERO).await?;
+    assert!(again.applied.is_empty(), "{:?}", again.applied);
+    Ok(())
+}
+
 #[test]
 fn tally_help_lists_every_subcommand() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
