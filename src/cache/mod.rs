@@ -318,6 +318,12 @@ local function set_base(key, names, b, seq, base)
   for i, name in ipairs(names) do redis.call('HSET', key, 'b:' .. b .. ':' .. name, base[i]) end
   return true
 end
+-- Sets the entry's TTL to at least `secs`, never shortening it: a vote's
+-- change, a mark and the lag-following TTL each need the entry to live that
+-- long, and a later write with a shorter TTL must not cut them short.
+local function at_least(key, secs)
+  if redis.call('TTL', key) < tonumber(secs) then redis.call('EXPIRE', key, secs) end
+end
 local function arm(key, token, ttl)
   if redis.call('HSETNX', key, 'g', token) == 1 and redis.call('TTL', key) < 0 then
     redis.call('EXPIRE', key, ttl)
@@ -341,7 +347,7 @@ local function fill(key, names, nb, at)
   end
   redis.call('HSET', key, 'z', 1)
 end
-local function recompute(key, names, nb, stale)
+local function recompute(key, names, nb, stale, marks_before)
   if not complete(key, nb) then return end
   local v = {}
   for _, name in ipairs(names) do v[name] = 0 end
@@ -360,9 +366,9 @@ local function recompute(key, names, nb, stale)
         if v[to] then v[to] = v[to] + 1 end
         if v[from] then v[from] = v[from] - 1 end
       end
-    elseif kind == 'c:' and stale then
+    elseif kind == 'c:' and marks_before then
       local ms = tonumber(string.match(all[i + 1], '|(%d+)$'))
-      if ms == nil or ms < stale then redis.call('HDEL', key, f) end
+      if ms == nil or ms < marks_before then redis.call('HDEL', key, f) end
     end
   end
   local totals = {}
@@ -392,8 +398,8 @@ if not complete(KEYS[1], nb) then
   if ARGV[10 + n] == '' then return arm(KEYS[1], ARGV[9 + n], ARGV[2]) end
   if not armed(KEYS[1], ARGV[9 + n]) then return -2 end
   fill(KEYS[1], names, nb, 10 + n)
-  recompute(KEYS[1], names, nb, nil)
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  recompute(KEYS[1], names, nb, nil, nil)
+  at_least(KEYS[1], ARGV[2])
 end
 local counted = redis.call('HGET', KEYS[1], 'c:' .. user)
 if counted and tonumber(string.match(counted, '^(%d+)|')) >= version then
@@ -417,7 +423,7 @@ serve(KEYS[1], totals)
 -- An entry holding a change the consumer has yet to count lives at least
 -- the TTL from now, which follows the consumer's lag: its write-throughs,
 -- which keep entries alive, stop while it lags.
-redis.call('EXPIRE', KEYS[1], ARGV[2], 'GT')
+at_least(KEYS[1], ARGV[2])
 return totals
 ";
 
@@ -433,8 +439,8 @@ local names = {}
 for i = 1, n do names[i] = ARGV[4 + i] end
 local was = complete(KEYS[1], nb)
 fill(KEYS[1], names, nb, 5 + n)
-recompute(KEYS[1], names, nb, nil)
-if not was then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+recompute(KEYS[1], names, nb, nil, nil)
+if not was then at_least(KEYS[1], ARGV[2]) end
 return served(KEYS[1], names)
 ";
 
@@ -478,13 +484,13 @@ end
 -- A mark must last as long as a late step may come, whatever the TTL.
 local function keep_marks()
   if tonumber(ARGV[m_at]) > 0 then
-    redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) / 1000), 'GT')
+    at_least(KEYS[1], math.ceil(MARK_LIFE_MS / 1000))
   end
 end
 if redis.call('HEXISTS', KEYS[1], 'g') == 0 then
   if tonumber(ARGV[m_at]) > 0 then
     mark(now_ms())
-    redis.call('EXPIRE', KEYS[1], ARGV[2])
+    at_least(KEYS[1], ARGV[2])
     keep_marks()
   end
   return 0
@@ -509,8 +515,8 @@ for j = 0, k - 1 do
 end
 local now = now_ms()
 mark(now)
-recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]))
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+recompute(KEYS[1], names, nb, now - tonumber(ARGV[3]), now - MARK_LIFE_MS)
+at_least(KEYS[1], ARGV[2])
 keep_marks()
 if newer then return 1 end
 return 0
@@ -536,7 +542,7 @@ for j = 0, tonumber(ARGV[5 + n]) - 1 do
     taken = taken + 1
   end
 end
-if taken > 0 then recompute(KEYS[1], names, nb, nil) end
+if taken > 0 then recompute(KEYS[1], names, nb, nil, nil) end
 return taken
 ";
 
@@ -707,6 +713,11 @@ struct Held {
     conn: Option<(u64, deadpool_redis::Connection)>,
 }
 
+/// How long a `c:` mark lasts, and keeps its entry: as long as a late cache
+/// step may still come, longer than a vote takes with the default timeouts
+/// (`CastConfig::longest_vote`, 20 s).
+const MARK_LIFE: Duration = Duration::from_secs(30);
+
 /// How old a pending change may grow before a write-through drops it: far
 /// beyond a healthy consumer's lag. A lagging consumer's changes may be
 /// older, so the bound follows the lag (see `Cache::follow_lag`).
@@ -727,7 +738,12 @@ const CLOCK_MARGIN: Duration = Duration::from_millis(100);
 
 impl Cache {
     pub fn new(config: &RedisConfig, ttl: Duration) -> anyhow::Result<Cache> {
-        let script = |body: &str| Arc::new(Script::new(&format!("{LIB}\n{body}")));
+        let script = |body: &str| {
+            let marks = millis(MARK_LIFE);
+            Arc::new(Script::new(&format!(
+                "local MARK_LIFE_MS = {marks}\n{LIB}\n{body}"
+            )))
+        };
         Ok(Cache {
             pool: pool(config)?,
             held: Arc::default(),
@@ -796,6 +812,18 @@ impl Cache {
         let lagging = Duration::from_secs_f64((lag_seconds.max(0.0) * 2.0 + 10.0).min(1e9));
         let stale = lagging.clamp(PENDING_STALE, values::LONGEST);
         self.stale_ms.store(millis(stale), Ordering::Relaxed);
+    }
+
+    /// The same cache, whose write-throughs drop no pending change as left
+    /// behind: for a writer that does not follow the consumers' lag
+    /// (`tally reconcile`), which would take a change the consumer has yet
+    /// to count for one it counted long ago. The consumer's and the API's
+    /// write-throughs, which follow the lag, do that.
+    pub fn keeping_pending_changes(self) -> Cache {
+        Cache {
+            stale_ms: Arc::new(AtomicU64::new(u64::MAX / 4)),
+            ..self
+        }
     }
 
     /// How old a pending change may grow before a write-through drops it.

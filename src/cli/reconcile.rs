@@ -118,7 +118,7 @@ pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     // Settings no connection can be made with were refused before this
     // (`Command::check`): a reconcile that repaired the totals but not the
     // cache would leave the stale totals served until they expired.
-    let cache = Some(Cache::new(&args.redis, Duration::from_secs(60))?);
+    let cache = Some(Cache::new(&args.redis, Duration::from_secs(60))?.keeping_pending_changes());
     let drops_task = cache
         .clone()
         .map(|cache| tokio::spawn(cache.keep_dropping_owed()));

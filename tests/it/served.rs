@@ -375,7 +375,8 @@ async fn an_entry_holding_a_change_not_yet_counted_outlives_its_first_ttl() -> T
 }
 
 /// A write-through drops pending changes left behind (older than 30 s),
-/// unless the consumers' lag says changes that old may still be counted.
+/// unless the consumers' lag says changes that old may still be counted;
+/// reconcile's drop none.
 #[tokio::test]
 async fn a_lagging_consumer_keeps_the_pending_changes_it_has_yet_to_count() -> TestResult {
     use tally::cache::{Cache, Written};
@@ -388,11 +389,16 @@ async fn a_lagging_consumer_keeps_the_pending_changes_it_has_yet_to_count() -> T
         .get_multiplexed_async_connection()
         .await?;
     let (ann, bob) = (UserId::parse("ann")?, UserId::parse("bob")?);
-    for (id, lag, expected) in [("lag_60s", Some(60.0), 2), ("no_lag", None, 1)] {
-        let cache = Cache::new(&env.redis, Duration::from_secs(60))?;
-        if let Some(lag) = lag {
-            cache.follow_lag(lag);
-        }
+    let lagging = Cache::new(&env.redis, Duration::from_secs(60))?;
+    lagging.follow_lag(60.0);
+    // Reconcile follows no lag, and leaves the dropping to the consumer.
+    let reconciling = Cache::new(&env.redis, Duration::from_secs(60))?.keeping_pending_changes();
+    let keeping_up = Cache::new(&env.redis, Duration::from_secs(60))?;
+    for (id, cache, expected) in [
+        ("lag_60s", lagging, 2),
+        ("reconcile", reconciling, 2),
+        ("no_lag", keeping_up, 1),
+    ] {
         let target = TargetId::parse(id)?;
         let empty = Head {
             seq: Some(1),
@@ -478,18 +484,39 @@ async fn a_mark_outlives_a_ttl_shorter_than_a_late_step_may_take() -> TestResult
         ahead: &[(ann.clone(), 1)],
     };
     cache.write_through(&target, &written).await?;
+    // The consumer then counts bob: a write with no marks, whose TTL must
+    // not cut the mark's short.
+    let bob = UserId::parse("bob")?;
+    let both = [
+        users[0].clone(),
+        (
+            bob.clone(),
+            Applied {
+                version: 1,
+                state: Reaction::Like,
+            },
+        ),
+    ];
+    let bobs = Written {
+        seq: 3,
+        totals: Totals::count([Reaction::Like, Reaction::Like]),
+        users: &both[1..],
+        ahead: &[],
+        ..written
+    };
+    cache.write_through(&target, &bobs).await?;
     // Time passing is what is tested: past the TTL, within a vote's time.
     tokio::time::sleep(ttl + Duration::from_millis(500)).await;
     // The late step, filling the entry from the durable head if it is gone.
     let late = first_like(&ann);
     let deadline = cache.change_deadline();
     if let Counted::NeedsHeads(fence) = cache.apply(&target, &late, one, None, deadline).await? {
-        let durable = Heads(vec![head(2, 1)]);
+        let durable = Heads(vec![head(3, 2)]);
         cache
             .apply(&target, &late, one, Some((&fence, &durable)), deadline)
             .await?;
     }
-    assert_eq!(served_likes(&cache, &target).await?, Some(1));
+    assert_eq!(served_likes(&cache, &target).await?, Some(2), "ann and bob");
     Ok(())
 }
 
