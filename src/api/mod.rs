@@ -209,10 +209,10 @@ impl ApiConfig {
     pub fn check(&self) -> Result<(), String> {
         targets::TargetPolicy::new(&self.targets).map_err(|e| format!("{e:#}"))?;
         self.stores.redis.check()?;
-        if self.listen == self.ops_listen && !self.listen.ends_with(":0") {
+        if overlap(&self.listen, &self.ops_listen) {
             return Err(format!(
-                "--listen and --ops-listen are both {}: the operator endpoints need an address of their own",
-                self.listen
+                "--listen {} and --ops-listen {} are the same address: the operator endpoints need one of their own",
+                self.listen, self.ops_listen
             ));
         }
         self.stores.kafka.event_key()?;
@@ -259,6 +259,22 @@ impl ApiConfig {
         }
         Ok(())
     }
+}
+
+/// Whether two listen addresses would take the same port on one address
+/// (an unspecified address, 0.0.0.0, takes it on all). Port 0 picks a free
+/// port each time, so it never clashes.
+fn overlap(a: &str, b: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let resolved = |s: &str| s.to_socket_addrs().map(Vec::from_iter).unwrap_or_default();
+    let (a, b) = (resolved(a), resolved(b));
+    a.iter().any(|x| {
+        b.iter().any(|y| {
+            x.port() != 0
+                && x.port() == y.port()
+                && (x.ip() == y.ip() || x.ip().is_unspecified() || y.ip().is_unspecified())
+        })
+    })
 }
 
 /// A duration as the command line takes it: 15m 20s, not 920s.

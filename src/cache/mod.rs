@@ -695,6 +695,7 @@ pub struct Cache {
     write_through: Arc<Script>,
     settle: Arc<Script>,
     drop_behind: Arc<Script>,
+    uncount: Arc<Script>,
     ttl_secs: Arc<AtomicU64>,
     /// How old a pending change may be before a write-through drops it, ms.
     stale_ms: Arc<AtomicU64>,
@@ -712,6 +713,12 @@ struct Held {
     taken: u64,
     conn: Option<(u64, deadpool_redis::Connection)>,
 }
+
+/// A vote given back to its user's count of the day: only a count that is
+/// still there, and never below zero (a count lost meanwhile, to an
+/// eviction or a failover, would come back as -1, with no TTL).
+const UNCOUNT: &str = "if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then \
+    return redis.call('DECR', KEYS[1]) end return 0";
 
 /// How long a `c:` mark lasts, and keeps its entry: as long as a late cache
 /// step may still come, longer than a vote takes with the default timeouts
@@ -753,6 +760,7 @@ impl Cache {
             write_through: script(WRITE_THROUGH),
             settle: script(SETTLE),
             drop_behind: Arc::new(Script::new(DROP_BEHIND)),
+            uncount: Arc::new(Script::new(UNCOUNT)),
             ttl_secs: Arc::new(AtomicU64::new(ttl.as_secs().max(1))),
             stale_ms: Arc::new(AtomicU64::new(millis(PENDING_STALE))),
             timeout: config.timeout,
@@ -1524,10 +1532,9 @@ impl Cache {
     /// A Redis that does not answer keeps the count: the user is limited a
     /// vote early, never late.
     pub async fn uncount_vote(&self, counted: CountedToday) {
-        let mut pipe = redis::pipe();
-        pipe.decr(&counted.0, 1).ignore();
+        let call = self.uncount.key(&counted.0);
         if let Err(e) = self
-            .within(|mut c| async move { pipe.query_async::<()>(&mut c).await })
+            .within(|mut c| async move { call.invoke_async::<i64>(&mut c).await })
             .await
         {
             tracing::debug!(error = %anyhow::Error::new(e), "a vote counted against the day's limit was kept");

@@ -292,6 +292,28 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_endpoints_need_an_address_of_their_own() {
+        let check = |listen: &str, ops: &str| {
+            let args = ["tally", "vote", "--listen", listen, "--ops-listen", ops];
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            cli.command.check()
+        };
+        for (listen, ops) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:8080"),
+            ("localhost:8080", "127.0.0.1:8080"),
+        ] {
+            let refused = check(listen, ops);
+            assert!(
+                refused.as_ref().is_err_and(|e| e.contains("--ops-listen")),
+                "{listen} {ops}: {refused:?}"
+            );
+        }
+        assert_eq!(check("127.0.0.1:0", "127.0.0.1:0"), Ok(()));
+        assert_eq!(check("0.0.0.0:8080", "127.0.0.1:9090"), Ok(()));
+    }
+
+    #[test]
     fn a_vote_without_a_relay_needs_no_settle_longer_than_a_vote() {
         let check = |args: &[&str]| {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use crate::cache::{Cache, RedisConfig};
 use crate::domain::TargetId;
 use crate::reconcile::{ReconcileError, Reconciler, SweepOptions, SweepSummary};
-use crate::store::{CassandraConfig, Store};
+use crate::store::{CassandraConfig, SerialScope, Store};
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("what").required(true).args(["targets", "all"])))]
@@ -114,7 +114,17 @@ const NOT_CHECKED: u8 = 4;
 const CHECK_FAILED: u8 = 5;
 
 pub async fn run(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
-    let store = Arc::new(Store::open(&args.cassandra, Duration::from_secs(1)).await?);
+    // Reads at QUORUM of every datacenter and Paxos at SERIAL, whatever
+    // `--serial-consistency` says: users are homed, but a recount is not.
+    // Read in a region that has not yet received a user's row, a counted
+    // vote would look like a ghost and be taken out, and a head read at
+    // SERIAL beside rows read locally would repair totals from stale rows.
+    // In one datacenter the levels are the same replicas.
+    let cassandra = CassandraConfig {
+        serial: SerialScope::Serial,
+        ..args.cassandra.clone()
+    };
+    let store = Arc::new(Store::open(&cassandra, Duration::from_secs(1)).await?);
     // Settings no connection can be made with were refused before this
     // (`Command::check`): a reconcile that repaired the totals but not the
     // cache would leave the stale totals served until they expired.

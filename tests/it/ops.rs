@@ -259,11 +259,8 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         Duration::from_secs(30),
         || async {
             let out = env.status(&vote_ops, &consumer_url, "200ms").ok()?;
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            // Exit 4 when a read failed (Kafka's offsets, say): read again.
+            out.status.success().then_some(())?;
             let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
             let lag = status["lag"].as_array().cloned().unwrap_or_default();
             lag.iter().all(|l| l["messages"] == 0).then_some(status)

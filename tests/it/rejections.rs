@@ -965,7 +965,7 @@ async fn only_votes_that_leave_a_record_use_up_the_days_limit() -> TestResult {
         200
     );
     // A client retrying as told: a replay, then the key reused for another
-    // body, then a target this service refuses. None of them wrote a record.
+    // body. Neither wrote a record.
     let replay = app.vote("day", &first, "video_e0", "like").await;
     assert!(replay.status == 200 && replay.replayed(), "{}", replay.body);
     let reused = app.vote("day", &first, "video_e0", "dislike").await;
@@ -981,6 +981,45 @@ async fn only_votes_that_leave_a_record_use_up_the_days_limit() -> TestResult {
     let reactions = env.recount().await;
     assert_eq!(reactions["video_e1"].likes(), 1);
     assert!(!reactions.contains_key("video_e2"));
+    Ok(())
+}
+
+/// A vote given back to the day's count after the count was lost (evicted,
+/// or a failover) leaves nothing: a bare DECR made it -1 with no TTL, for
+/// good, and past -1 the count no longer parsed, so the limit went unchecked.
+#[tokio::test]
+async fn a_vote_given_back_to_a_lost_days_count_leaves_nothing() -> TestResult {
+    let env = TestEnv::new().await;
+    let cache = tally::cache::Cache::new(&env.redis, Duration::from_secs(60))?;
+    let user = tally::domain::UserId::parse("given_back")?;
+    let mut redis = redis::Client::open(env.redis.url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let pattern = format!("{}:daily:given_back:*", env.redis.prefix);
+    let (count, _, counted) = cache.count_vote_today(&user).await?;
+    assert_eq!(count, 1);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut redis)
+        .await?;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: () = redis::cmd("DEL")
+        .arg(&keys[0])
+        .query_async(&mut redis)
+        .await?;
+    cache.uncount_vote(counted).await;
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut redis)
+        .await?;
+    assert!(left.is_empty(), "{left:?}");
+    // A count still there is given back as before.
+    let (_, _, counted) = cache.count_vote_today(&user).await?;
+    let (count, _, _) = cache.count_vote_today(&user).await?;
+    assert_eq!(count, 2);
+    cache.uncount_vote(counted).await;
+    let (count, _, _) = cache.count_vote_today(&user).await?;
+    assert_eq!(count, 2, "one given back, one more counted");
     Ok(())
 }
 

@@ -298,6 +298,14 @@ async fn a_cache_step_that_lands_after_its_call_timed_out_is_not_counted_twice()
     config.stores.redis.url = format!("redis://127.0.0.1:{}", link.port);
     let held = env.spawn_app_with(config).await;
     let consumer = env.start_consumer();
+    // A consumer that has joined and counts at once: counted within a second
+    // of a publish, it would come before the held step, which the test needs.
+    eventually(
+        "the consumer to count the warm-up vote",
+        Duration::from_secs(30),
+        || async { (consumer.processed() >= 1).then_some(()) },
+    )
+    .await;
 
     // Held 1.4 s: past the call's 500 ms, within Redis's 1.9 s deadline.
     link.hold_next_script(Duration::from_millis(1400));
