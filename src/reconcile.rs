@@ -481,6 +481,9 @@ impl BucketPass<'_> {
             if lost >= self.reconciler.max_fence_losses {
                 return Err(ReconcileError::Contention(self.target.to_string()));
             }
+            // A dry run's pass that finds the bucket moved under it is done
+            // again from what the passes before it found.
+            let found_before = self.found;
             let (h, read_at) = match head.take() {
                 Some(h) => (h, ReadAt::Quorum),
                 None => (store.stats.head(self.target, self.bucket, at).await?, at),
@@ -512,17 +515,39 @@ impl BucketPass<'_> {
                 continue;
             }
             if walk.recount != walk.stored {
-                self.found.damaged_totals = true;
                 let recount = walk.recount;
-                if !self.dry_run
-                    && self.write(&mut walk, recount, (&[], &[]), &[]).await? == Landed::Lost
-                {
+                let landed = if self.dry_run {
+                    // Nothing fences a dry run's finding: it stands only if
+                    // the bucket did not move while it was walked (its head
+                    // and its rows would be of two moments). Read at SERIAL,
+                    // so a write still in flight is seen.
+                    let now = store
+                        .stats
+                        .head(self.target, self.bucket, ReadAt::Serial)
+                        .await?;
+                    if now.seq == walk.seq {
+                        Landed::Written
+                    } else {
+                        Landed::Lost
+                    }
+                } else {
+                    self.write(&mut walk, recount, (&[], &[]), &[]).await?
+                };
+                if landed == Landed::Lost {
+                    // A real run keeps what its landed pages repaired.
+                    if self.dry_run {
+                        self.found = found_before;
+                    }
                     lost += 1;
                     continue;
                 }
+                self.found.damaged_totals = true;
             }
             self.found.after = walk.recount;
-            if self.found.writes == 0 {
+            // The seq this pass ends at, if it wrote nothing: an earlier
+            // pass's write whose outcome was unknown may have landed without
+            // its write through, and the entry is then behind this seq.
+            if self.found.writes == found_before.writes {
                 self.found.unwritten = walk.seq;
             }
             return Ok(self.found);

@@ -336,6 +336,48 @@ async fn reconcile_in_a_loop_while_votes_and_the_consumer_run_ends_with_zero_dri
     Ok(())
 }
 
+/// Checks of a target the consumer keeps writing find no drift: a check
+/// whose bucket moved between its head and its rows compared totals and
+/// rows of two different moments. A dry run took that for damaged totals,
+/// and a repair whose write was then refused kept saying so, so the
+/// monitor paged on a busy target that had nothing wrong.
+#[tokio::test]
+async fn checks_of_a_target_the_consumer_keeps_writing_find_no_drift() -> TestResult {
+    let env = TestEnv::new().await;
+    let app = env.spawn_app().await;
+    let consumer = env.start_consumer();
+    let reconciler = env.reconciler().await;
+    let target = tally::domain::TargetId::parse("t0")?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let checking = tokio::spawn(async move {
+        let (mut checks, mut drifted) = (0u32, Vec::new());
+        let mut dry_run = true;
+        while !*stop_rx.borrow() {
+            match reconciler.target(&target, dry_run).await {
+                Ok(report) if report.drifted => drifted.push((dry_run, report)),
+                Ok(_) | Err(tally::reconcile::ReconcileError::Contention(_)) => {}
+                Err(e) => return Err(anyhow::Error::new(e)),
+            }
+            checks += 1;
+            dry_run = !dry_run;
+        }
+        anyhow::Ok((checks, drifted))
+    });
+    // One target, its votes spread over every bucket.
+    assert_eq!(app.random_votes(&mut Rng(8), 400, 40, 1, 8).await, 400);
+    let _ = stop_tx.send(true);
+    let (checks, drifted) = checking.await??;
+    env.wait_until_no_drift(Duration::from_secs(90)).await;
+    consumer.stop().await;
+    assert!(checks >= 10, "{checks} checks ran while votes flowed");
+    assert!(
+        drifted.is_empty(),
+        "{} of {checks}: {drifted:?}",
+        drifted.len()
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn support_can_reconcile_one_target_online_with_an_admin_token() -> TestResult {
     let env = TestEnv::new().await;
