@@ -187,7 +187,8 @@ impl Reconciler {
             .await?;
         // A large one's heads are read again, each just before its bucket's
         // walk: by then the ones read here may be long stale.
-        let small = everything.len() < self.page_size as usize;
+        let small = everything.read < self.page_size as usize;
+        let everything = everything.rows;
         let mut report = Report::empty(target);
         let mut unwritten = Vec::new();
         for (i, (bucket, head)) in buckets.iter().zip(heads).enumerate() {
@@ -564,32 +565,32 @@ impl BucketPass<'_> {
         let limit = self.reconciler.page_size;
         let (lo, hi) = store.layout.range(self.bucket);
         let mut from = lo;
+        let full = |n: usize| n >= limit as usize;
         loop {
             let mut applied = store
                 .stats
                 .applied_page(self.target, self.bucket, (from, hi), limit)
                 .await?;
-            let mut truth = match &known {
-                Some(rows) => rows.iter().filter(|r| r.0 >= from).cloned().collect(),
+            let (mut truth, truth_end) = match &known {
+                Some(rows) => (rows.iter().filter(|r| r.0 >= from).cloned().collect(), None),
                 None => {
-                    store
+                    let page = store
                         .reactions
                         .by_target(self.target, (from, hi), limit)
-                        .await?
+                        .await?;
+                    // Where the read stopped, counting rows it could not
+                    // read: a page they filled is full all the same.
+                    let end = page.last_token.filter(|_| full(page.read));
+                    (page.rows, end)
                 }
             };
             // A read that filled its page may have stopped inside a token;
             // the page ends before the first token either read may not have
             // finished, and the next one starts there.
-            let full = |n: usize| n >= limit as usize;
             let applied_end = applied
                 .last()
                 .map(|r| r.token)
                 .filter(|_| full(applied.len()));
-            let truth_end = truth
-                .last()
-                .map(|r| r.0)
-                .filter(|_| known.is_none() && full(truth.len()));
             let end = applied_end.into_iter().chain(truth_end).min();
             if let Some(e) = end {
                 if e == from {

@@ -479,21 +479,25 @@ impl Reactions {
         target: &TargetId,
         (from, to): (i64, i64),
         limit: i32,
-    ) -> Result<Vec<(i64, UserId, Counted)>, StoreError> {
+    ) -> Result<TargetPage, StoreError> {
         let rows: Vec<ByTargetRow> = super::all_rows(
             &self.session,
             &self.by_target,
             (target.as_str(), from, to, limit),
         )
         .await?;
-        let mut out = Vec::with_capacity(rows.len());
+        let mut out = TargetPage {
+            read: rows.len(),
+            last_token: rows.last().map(|r| r.0),
+            rows: Vec::with_capacity(rows.len()),
+        };
         for (token, user, state, version, updated_at) in rows {
             let (Ok(user), Some(Ok(state)), Some(version)) =
                 (UserId::parse(&user), state.map(|s| s.parse()), version)
             else {
                 continue;
             };
-            out.push((
+            out.rows.push((
                 token,
                 user,
                 Counted {
@@ -506,6 +510,18 @@ impl Reactions {
         }
         Ok(out)
     }
+}
+
+/// A page of a target's rows in token order. Rows this release cannot read
+/// (a state it does not know) are left out of `rows`, but counted in `read`:
+/// a page they filled is full, and the next page starts after it.
+#[derive(Debug, Default)]
+pub struct TargetPage {
+    pub rows: Vec<(i64, UserId, Counted)>,
+    /// Rows the read returned, readable or not.
+    pub read: usize,
+    /// The token of the last row it returned.
+    pub last_token: Option<i64>,
 }
 
 /// token(user_id), user_id, state, version, updated_at.
