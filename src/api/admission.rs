@@ -92,6 +92,17 @@ pub struct Permit {
     /// Whether the limit was in use when this request was admitted: only
     /// then does a fast answer say the limit may grow.
     busy: bool,
+    /// Whether the request got past its checks (its token, its user's
+    /// limits) to the stores: only such a request's time says what the
+    /// stores finish in time.
+    at_work: bool,
+}
+
+impl Permit {
+    /// Marks the request as past its checks, on its way to the stores.
+    pub fn at_work(&mut self) {
+        self.at_work = true;
+    }
 }
 
 impl Admission {
@@ -174,6 +185,7 @@ impl Admission {
             place: Some(place),
             started: Instant::now(),
             busy,
+            at_work: false,
         }
     }
 
@@ -190,27 +202,20 @@ impl Admission {
         self.lock().limit.floor() as usize
     }
 
-    /// Adapts the limit to a request that took `took`, and moves the
-    /// places with it; `true` when the place being given back is to be
-    /// forgotten, because the limit fell while it was in use.
-    fn release(&self, took: Duration, busy: bool, now: Instant) -> bool {
+    /// Adapts the limit to a request that did its work in `took` (`None`
+    /// for one refused before it reached the stores), and moves the places
+    /// with it; `true` when the place being given back is to be forgotten,
+    /// because the limit fell while it was in use.
+    fn release(&self, took: Option<Duration>, busy: bool, now: Instant) -> bool {
         let mut state = self.lock();
         state.in_flight = state.in_flight.saturating_sub(1);
-        state.pacing.completed(now);
         let before = state.limit;
-        state.average += (took.as_secs_f64() - state.average) * WEIGHT;
-        if state.average > self.config.target.as_secs_f64() {
-            // At most one cut per two targets: the average needs that long
-            // to show what the last cut did.
-            let cut_long_ago = state
-                .last_cut
-                .is_none_or(|at| now.duration_since(at) >= self.config.target * 2);
-            if cut_long_ago {
-                state.limit = (state.limit * 0.9).max(self.config.min as f64);
-                state.last_cut = Some(now);
-            }
-        } else if busy {
-            state.limit = (state.limit + 1.0 / state.limit).min(self.config.max as f64);
+        // A request refused in microseconds (no token, over its user's rate)
+        // says nothing of what the stores finish in time: counted, a flood
+        // of them held the average under the target while the stores were
+        // slow, and raised the limit and the pace of refusals.
+        if let Some(took) = took {
+            self.adapt(&mut state, took, busy, now);
         }
         let after = state.limit;
         let (had, has) = (before.floor() as usize, after.floor() as usize);
@@ -236,6 +241,25 @@ impl Admission {
         forget
     }
 
+    /// Moves the average and the limit by one request's time.
+    fn adapt(&self, state: &mut State, took: Duration, busy: bool, now: Instant) {
+        state.pacing.completed(now);
+        state.average += (took.as_secs_f64() - state.average) * WEIGHT;
+        if state.average > self.config.target.as_secs_f64() {
+            // At most one cut per two targets: the average needs that long
+            // to show what the last cut did.
+            let cut_long_ago = state
+                .last_cut
+                .is_none_or(|at| now.duration_since(at) >= self.config.target * 2);
+            if cut_long_ago {
+                state.limit = (state.limit * 0.9).max(self.config.min as f64);
+                state.last_cut = Some(now);
+            }
+        } else if busy {
+            state.limit = (state.limit + 1.0 / state.limit).min(self.config.max as f64);
+        }
+    }
+
     fn export(&self, limit: f64) {
         metrics::gauge!(crate::metrics::ADMISSION_LIMIT, "kind" => self.kind).set(limit.floor());
     }
@@ -259,9 +283,8 @@ impl Drop for Queued<'_> {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let forget = self
-            .admission
-            .release(self.started.elapsed(), self.busy, Instant::now());
+        let took = self.at_work.then(|| self.started.elapsed());
+        let forget = self.admission.release(took, self.busy, Instant::now());
         if let Some(place) = self.place.take() {
             if forget {
                 place.forget();
@@ -315,6 +338,28 @@ mod tests {
             "one place freed, one waiter admitted; the other waited out its time"
         );
         assert_eq!(a.lock().waiting, 0);
+    }
+
+    /// Requests refused before their work (no token, over a user's rate)
+    /// take microseconds: they neither pull the average down nor raise the
+    /// limit while the stores are slow; the same answers from the stores
+    /// would.
+    #[test]
+    fn requests_refused_before_their_work_do_not_move_the_limit() {
+        let a = admission(2, 100);
+        let t0 = Instant::now();
+        a.lock().average = 0.2;
+        a.lock().limit = 50.0;
+        for _ in 0..1000 {
+            a.release(None, true, t0);
+        }
+        assert_eq!(a.lock().average, 0.2);
+        assert_eq!(a.limit(), 50);
+        for _ in 0..1000 {
+            a.release(Some(Duration::ZERO), true, t0);
+        }
+        assert!(a.lock().average < 0.02, "{}", a.lock().average);
+        assert!(a.limit() > 50);
     }
 
     /// A queued request may wait two average requests' time when that is
@@ -439,6 +484,7 @@ mod tests {
         a.lock().average = 1.0;
         for p in &mut permits {
             p.started = Instant::now() - Duration::from_secs(1);
+            p.at_work();
         }
         drop(permits.pop());
         assert_eq!(a.limit(), 3);
@@ -449,7 +495,7 @@ mod tests {
         a.lock().average = 0.0;
         for _ in 0..40 {
             a.lock().in_flight += 1;
-            let _ = a.release(Duration::ZERO, true, t0);
+            let _ = a.release(Some(Duration::ZERO), true, t0);
         }
         assert_eq!(a.limit(), 4);
         assert_eq!(free(&a), 2, "one place back for the limit's growth");
@@ -490,7 +536,7 @@ mod tests {
         let fast = Duration::from_millis(5);
         for _ in 0..200 {
             a.lock().in_flight += 1;
-            a.release(fast, true, t0);
+            a.release(Some(fast), true, t0);
         }
         let grown = a.limit();
         assert!(
@@ -501,20 +547,20 @@ mod tests {
         // Fast answers while idle say nothing about capacity.
         for _ in 0..200 {
             a.lock().in_flight += 1;
-            a.release(fast, false, t0);
+            a.release(Some(fast), false, t0);
         }
         assert_eq!(a.limit(), grown);
 
         // One slow answer moves the average, but not past the target.
         a.lock().in_flight += 1;
-        a.release(Duration::from_millis(100), true, t0);
+        a.release(Some(Duration::from_millis(100)), true, t0);
         assert!(a.limit() >= grown, "one slow answer does not cut");
 
         // A burst of slow answers within one target interval cuts once.
         let slow = Duration::from_millis(50);
         for _ in 0..50 {
             a.lock().in_flight += 1;
-            a.release(slow, true, t0);
+            a.release(Some(slow), true, t0);
         }
         let cut = a.limit();
         assert!(cut < grown && cut >= grown * 8 / 10, "{grown} -> {cut}");
@@ -522,7 +568,7 @@ mod tests {
         // Slow answers over a long time cut to the floor, never below.
         for i in 0..200u64 {
             a.lock().in_flight += 1;
-            a.release(slow, true, t0 + Duration::from_millis(40 * (i + 1)));
+            a.release(Some(slow), true, t0 + Duration::from_millis(40 * (i + 1)));
         }
         assert_eq!(a.limit(), 4);
     }
@@ -534,7 +580,7 @@ mod tests {
         let t0 = Instant::now();
         for _ in 0..10_000 {
             a.lock().in_flight += 1;
-            a.release(Duration::ZERO, true, t0);
+            a.release(Some(Duration::ZERO), true, t0);
         }
         assert_eq!(a.limit(), 8);
     }
