@@ -1,9 +1,12 @@
 //! Serving totals: the Redis cache first, the durable totals on a miss,
 //! refilling the cache without ever lowering an entry.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
-use futures::future::try_join_all;
+use futures::FutureExt;
+use futures::future::{Shared, try_join_all};
+use tokio::sync::oneshot;
 
 use crate::cache::{Cache, Counted, Fence, Pending};
 use crate::domain::{TargetId, Totals};
@@ -20,7 +23,17 @@ pub struct Counts {
     /// of never-seen ids) queues here instead of taking every stream the
     /// driver has, which votes need too.
     misses: Arc<tokio::sync::Semaphore>,
+    /// Fills in flight in the process, by target and fence: a miss armed
+    /// with the fence a fill in flight read under waits for that fill
+    /// instead of reading the same heads again. When a popular entry
+    /// expires or Redis comes back empty, every page holding it misses at
+    /// once, and each read 17 partitions of Cassandra for one answer.
+    flights: Arc<Mutex<HashMap<(TargetId, Fence), Flight>>>,
 }
+
+/// What the fill in flight served, for the misses that joined it; its
+/// sender is dropped unsent when the fill did not land in the entry.
+type Flight = Shared<oneshot::Receiver<Totals>>;
 
 /// Cache misses read from Cassandra at once, per process.
 pub const MISS_READS: usize = 64;
@@ -37,6 +50,7 @@ impl Counts {
             cache,
             store,
             misses: Arc::new(tokio::sync::Semaphore::new(MISS_READS)),
+            flights: Arc::default(),
         }
     }
 
@@ -47,6 +61,7 @@ impl Counts {
             cache,
             store,
             misses: self.misses.clone(),
+            flights: self.flights.clone(),
         }
     }
 
@@ -97,25 +112,76 @@ impl Counts {
     }
 
     /// A miss: every bucket's head from Cassandra, then into the cache
-    /// under the entry's fence. An entry dropped since the fence was armed
-    /// is left alone, and this read is served the heads.
+    /// under the entry's fence, or what a fill in flight under the same
+    /// fence put there. An entry dropped since the fence was armed is left
+    /// alone, and this read is served the heads.
     async fn fill(&self, target: &TargetId, fence: Option<&Fence>) -> Result<Totals, StoreError> {
-        let heads = {
-            let _turn = self.misses.acquire().await;
-            self.durable_heads(target).await?
-        };
         let Some(fence) = fence else {
-            return Ok(heads.totals());
+            return Ok(self.read_heads(target).await?.totals());
         };
+        let key = (target.clone(), fence.clone());
+        let joined = {
+            let mut flights = self.flights.lock().unwrap_or_else(|e| e.into_inner());
+            match flights.get(&key) {
+                Some(flight) => Ok(flight.clone()),
+                None => {
+                    let (landed, flight) = oneshot::channel();
+                    flights.insert(key.clone(), flight.shared());
+                    Err(landed)
+                }
+            }
+        };
+        match joined {
+            // The same fence means no drop came between the fill's arming
+            // and this miss's, and the fill lands after this miss found the
+            // entry empty: what it serves counts every write through that
+            // reached the entry before this page could be answered.
+            Ok(flight) => match flight.await {
+                Ok(served) => {
+                    metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "joined").increment(1);
+                    Ok(served)
+                }
+                // That fill failed, was cut short, or found the entry
+                // dropped: read on this miss's own.
+                Err(_) => Ok(self.fill_alone(target, fence).await?.0),
+            },
+            Err(landed) => {
+                let _leaving = Leaving {
+                    flights: &self.flights,
+                    key,
+                };
+                let (served, in_entry) = self.fill_alone(target, fence).await?;
+                if in_entry {
+                    let _ = landed.send(served);
+                }
+                Ok(served)
+            }
+        }
+    }
+
+    /// A fill of this miss's own: what it serves, and whether that is what
+    /// the entry holds (the fence held).
+    async fn fill_alone(
+        &self,
+        target: &TargetId,
+        fence: &Fence,
+    ) -> Result<(Totals, bool), StoreError> {
+        let heads = self.read_heads(target).await?;
         match self.cache.fill(target, fence, &heads).await {
-            Ok(Some(served)) => Ok(served),
+            Ok(Some(served)) => Ok((served, true)),
             Ok(None) => {
                 metrics::counter!(crate::metrics::CACHE_FILLS_FENCED, "step" => "read")
                     .increment(1);
-                Ok(heads.totals())
+                Ok((heads.totals(), false))
             }
-            Err(_) => Ok(heads.totals()),
+            Err(_) => Ok((heads.totals(), false)),
         }
+    }
+
+    /// The durable heads, under the process's limit on miss reads.
+    async fn read_heads(&self, target: &TargetId) -> Result<Heads, StoreError> {
+        let _turn = self.misses.acquire().await;
+        self.durable_heads(target).await
     }
 
     /// Every bucket's head, or, for a target the registry has no row for,
@@ -211,5 +277,22 @@ impl Counts {
                 Some(started + budget)
             }
         }
+    }
+}
+
+/// Takes a fill's flight out of the map when the fill ends, however it ends
+/// (a page whose client hung up drops it mid-read): misses after it arm
+/// and read again.
+struct Leaving<'a> {
+    flights: &'a Mutex<HashMap<(TargetId, Fence), Flight>>,
+    key: (TargetId, Fence),
+}
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.flights
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
     }
 }

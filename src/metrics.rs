@@ -22,8 +22,9 @@ pub const GROUP_LAG_MESSAGES: &str = "tally_consumer_group_lag_messages";
 pub const GROUP_LAG_SECONDS: &str = "tally_consumer_group_lag_seconds";
 /// Signal 4: count cache lookups, by result (hit, miss, error).
 pub const CACHE_LOOKUPS: &str = "tally_cache_lookups_total";
-/// Cache misses filled from Cassandra, by what was read: `registry` (no
-/// reaction yet, served as zeros) or `buckets` (every bucket's head).
+/// Cache misses filled, by what was read: `registry` (no reaction yet,
+/// served as zeros), `buckets` (every bucket's head) or `joined` (nothing:
+/// the miss was served what a fill of the same entry in flight put there).
 pub const CACHE_FILLS: &str = "tally_cache_fills_total";
 /// Fills that found their entry dropped after they armed its fence, by
 /// step (read, vote): their heads may predate a write whose base the drop
@@ -153,7 +154,7 @@ fn describe() {
     );
     describe_counter!(
         CACHE_FILLS,
-        "cache misses filled from Cassandra by what was read (registry: nobody reacted yet; buckets)"
+        "cache misses filled by what was read (registry: nobody reacted yet; buckets; joined: a fill of the same entry in flight, nothing read)"
     );
     describe_counter!(
         CACHE_FILLS_FENCED,

@@ -616,7 +616,7 @@ fn never_below_zero(values: [i64; N_COUNTED]) -> Totals {
 /// The token an entry's fence held before a fill read the durable heads:
 /// the fill lands only if the entry still holds it. Random, so no entry
 /// made after a drop (or after Redis lost everything) can hold it again.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Fence(String);
 
 impl Fence {

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use tally::domain::{Reaction, Totals};
 
 use crate::support::{
-    MoveFence, PrivateRedis, Proc, Rng, TestEnv, TestResult, eventually, free_port, new_key, signal,
+    GatedLink, MoveFence, PrivateRedis, Proc, Rng, TestEnv, TestResult, eventually, free_port,
+    new_key, signal,
 };
 
 const TARGETS: [&str; 4] = ["hot0", "hot1", "hot2", "hot3"];
@@ -1977,5 +1978,94 @@ async fn a_write_through_that_finds_no_entry_writes_only_its_marks() -> TestResu
         )
         .await?;
     assert_eq!(served_likes(&cache, &marked).await?, Some(1));
+    Ok(())
+}
+
+/// An entry every page holds, missing (expired, or Redis back empty): the
+/// pages that miss it at once are served by one read of its heads, not a
+/// read each, and each serves the like. The gate holds every page's lookup
+/// until all have sent theirs, so they miss together, as a crowd's do.
+#[tokio::test]
+async fn pages_that_miss_one_entry_together_read_its_heads_once_and_serve_the_truth() -> TestResult
+{
+    const PAGES: usize = 40;
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let link = GatedLink::start(redis.port, b"HGET").await;
+    let url = format!("redis://127.0.0.1:{}", link.port);
+    // A process of its own, so its /metrics count only this test's reads;
+    // its Redis deadline outlasts the gate. One HTTP worker: a second one's
+    // first connection to Redis would wait at the shut gate, and its pages
+    // with it.
+    let (_process, app) = env
+        .spawn_vote_process(|cmd| {
+            cmd.env("TALLY_REDIS_URL", &url)
+                .env("TALLY_WORKERS", "1")
+                .env("TALLY_REDIS_TIMEOUT", "10s")
+                .env("TALLY_RELAY_SETTLE", "3m");
+        })
+        .await?;
+    let vote = app.vote("liker", new_key(), "crowded", "like").await;
+    assert_eq!(vote.status, 200, "{}", vote.body);
+    // Counted durably, so the heads hold the like; then every entry gone.
+    let consumer = env.start_consumer();
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    consumer.stop().await;
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(
+            &mut redis::Client::open(format!("redis://127.0.0.1:{}", redis.port))?
+                .get_multiplexed_async_connection()
+                .await?,
+        )
+        .await?;
+    let metrics = async || crate::ops::scrape(&app.client, &format!("{}/metrics", app.ops)).await;
+    let fills = |text: &str, read: &str| {
+        crate::ops::sample_sum(
+            text,
+            "tally_cache_fills_total",
+            &[&format!("read=\"{read}\"")],
+        )
+        .unwrap_or(0.0)
+    };
+    let misses = |text: &str| {
+        crate::ops::sample_sum(text, "tally_cache_lookups_total", &["result=\"miss\""])
+            .unwrap_or(0.0)
+    };
+    let before = metrics().await;
+
+    link.shut();
+    let pages: Vec<_> = (0..PAGES)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move { app.summary(&format!("reader{i}"), "crowded").await })
+        })
+        .collect();
+    eventually(
+        "every page's lookup held at the gate",
+        Duration::from_secs(30),
+        || async { (link.held() >= PAGES).then_some(()) },
+    )
+    .await;
+    link.open();
+    let one_like = Totals::count([Reaction::Like]);
+    for page in pages {
+        let reply = page.await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let served: Totals = serde_json::from_value(reply.json()["items"]["crowded"].clone())?;
+        assert_eq!(served, one_like);
+    }
+
+    let after = metrics().await;
+    let read = fills(&after, "buckets") - fills(&before, "buckets");
+    let joined = fills(&after, "joined") - fills(&before, "joined");
+    assert_eq!(misses(&after) - misses(&before), PAGES as f64);
+    // The pages wake together when the gate opens: one read, and a
+    // straggler or two, is what sharing allows. Without it, every page
+    // reads.
+    assert!(
+        read <= 4.0,
+        "{read} reads of the heads for {PAGES} pages that missed together ({joined} joined)"
+    );
+    assert_eq!(read + joined, PAGES as f64);
     Ok(())
 }

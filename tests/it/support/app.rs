@@ -6,6 +6,7 @@ use super::rng::Rng;
 use super::{JWT_SECRET, TestEnv};
 
 /// The vote API running in-process on a free port, over a `TestEnv`.
+#[derive(Clone)]
 pub struct TestApp {
     pub address: String,
     /// Where its operator endpoints (/metrics, /readyz) are.

@@ -248,3 +248,117 @@ async fn carry(
         }
     }
 }
+
+/// A TCP link to a server on 127.0.0.1 that can be shut like a gate: while
+/// shut it takes what clients send and holds it, counting the times a word
+/// appears in what it holds, and when opened it delivers everything held,
+/// in order, at once. What many clients sent over a while reaches the
+/// server together, so their requests race there as a crowd's would.
+pub struct GatedLink {
+    pub port: u16,
+    open: tokio::sync::watch::Sender<bool>,
+    held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl GatedLink {
+    /// Open at first; `word` is what `held` counts.
+    pub async fn start(upstream: u16, word: &'static [u8]) -> GatedLink {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = listener.local_addr().map_or(0, |a| a.port());
+        let (open, _) = tokio::sync::watch::channel(true);
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (gate, counted) = (open.clone(), held.clone());
+        let accepting = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(gated(
+                    client,
+                    upstream,
+                    gate.subscribe(),
+                    counted.clone(),
+                    word,
+                ));
+            }
+        });
+        GatedLink {
+            port,
+            open,
+            held,
+            accepting,
+        }
+    }
+
+    pub fn shut(&self) {
+        self.held.store(0, std::sync::atomic::Ordering::SeqCst);
+        self.open.send_replace(false);
+    }
+
+    pub fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    /// How many times the word appears in what the gate holds now.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for GatedLink {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+async fn gated(
+    client: tokio::net::TcpStream,
+    upstream: u16,
+    mut open: tokio::sync::watch::Receiver<bool>,
+    counted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    word: &'static [u8],
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+        return;
+    };
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+    });
+    let count = |bytes: &[u8]| bytes.windows(word.len()).filter(|w| *w == word).count();
+    let mut held: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        tokio::select! {
+            read = from_client.read(&mut buf) => {
+                let n = match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let before = count(&held);
+                held.extend_from_slice(&buf[..n]);
+                if *open.borrow() {
+                    if to_server.write_all(&held).await.is_err() {
+                        return;
+                    }
+                    held.clear();
+                } else {
+                    counted.fetch_add(count(&held) - before, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+            changed = open.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                if *open.borrow_and_update() && !held.is_empty() {
+                    if to_server.write_all(&held).await.is_err() {
+                        return;
+                    }
+                    held.clear();
+                }
+            }
+        }
+    }
+}
