@@ -99,6 +99,20 @@ pub enum CastError {
     Unexpected(#[source] anyhow::Error),
 }
 
+/// Why a vote that never committed stopped trying: other votes of the
+/// user kept moving its row (409: a retry may go through at once), or the
+/// deadline passed with no write refused by one (503: the stores were too
+/// slow, or their reads ahead of the write took the time), which a client
+/// must not take for a conflict.
+fn gave_up(raced: u32, deadline: Duration) -> CastError {
+    if raced > 0 {
+        return CastError::Contention;
+    }
+    CastError::Store(StoreError::Request(anyhow::anyhow!(
+        "the vote's deadline ({deadline:?}) passed before a conditional write of it could apply"
+    )))
+}
+
 #[derive(Debug, Clone)]
 pub struct CastConfig {
     /// Conditional writes tried before answering `Contention`.
@@ -299,6 +313,8 @@ impl Caster {
         // wrong guess costs one refused round, which returns the truth.
         let mut current = self.hints.get(user, &vote.target_id);
         let mut refusals = 0u32;
+        // Refusals that found the row moved by another vote of this user.
+        let mut raced = 0u32;
 
         for n in 0..self.config.max_attempts {
             if started.elapsed() >= self.config.deadline {
@@ -371,6 +387,7 @@ impl Caster {
             }
             current = snap.current;
             refusals += 1;
+            raced += u32::from(refused);
             if refusals > 1 {
                 tracing::debug!(user = %user, target_id = %vote.target_id, attempt = n, "conditional write lost a race; retrying");
                 // Another vote of this user keeps moving the row: spread out.
@@ -380,7 +397,7 @@ impl Caster {
                 .await;
             }
         }
-        Err(CastError::Contention)
+        Err(gave_up(raced, self.config.deadline))
     }
 
     /// The target's served totals, with the target in the registry before
@@ -703,5 +720,28 @@ impl AfterCommit {
                 after.resolve(slot, &user, &key).await;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vote whose deadline passed before any write of it was refused by
+    /// another vote (its intent write or its read of the totals took the
+    /// time) was answered 409, "too many concurrent changes": a client
+    /// told of a conflict that never happened. Only a race is a conflict.
+    #[test]
+    fn a_vote_out_of_time_without_a_race_is_unavailable_not_a_conflict() {
+        let slow = crate::api::error::ApiError::from(gave_up(0, Duration::from_secs(8)));
+        assert_eq!(
+            actix_web::ResponseError::status_code(&slow),
+            actix_web::http::StatusCode::SERVICE_UNAVAILABLE
+        );
+        let raced = crate::api::error::ApiError::from(gave_up(3, Duration::from_secs(8)));
+        assert_eq!(
+            actix_web::ResponseError::status_code(&raced),
+            actix_web::http::StatusCode::CONFLICT
+        );
     }
 }
