@@ -85,7 +85,10 @@ struct Signed {
 
 /// `POST /demo/login {"user": "alice"}`: a token for that user, signed with
 /// the API's key. A development convenience that must never face the public.
-async fn login(demo: web::Data<Demo>, body: web::Bytes) -> Result<HttpResponse, ApiError> {
+async fn login(demo: web::Data<Demo>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    // Read as a vote's body is, so one too large is a 413 in JSON like
+    // every other error, not actix's plain-text one.
+    let body = super::votes::read_capped(payload.into_inner()).await?;
     let login: Login = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(
             "malformed_json",

@@ -63,7 +63,8 @@ async fn without_the_demo_flag_there_is_no_demo_page_and_no_login() -> TestResul
 }
 
 #[tokio::test]
-async fn the_demo_login_refuses_a_bad_name_and_a_bad_body_with_400() -> TestResult {
+async fn the_demo_login_refuses_a_bad_name_and_a_bad_body_with_400_and_a_huge_one_with_413()
+-> TestResult {
     let env = TestEnv::new().await;
     let app = env
         .spawn_app_with(tally::api::ApiConfig {
@@ -85,6 +86,12 @@ async fn the_demo_login_refuses_a_bad_name_and_a_bad_body_with_400() -> TestResu
         let error: serde_json::Value = res.json().await?;
         assert_eq!(error["error"]["code"], code, "{body}");
     }
+    // Too large: refused in JSON as every error is, not in actix's plain text.
+    let huge = format!(r#"{{"user": "{}"}}"#, "x".repeat(5_000));
+    let res = app.client.post(&login).body(huge).send().await?;
+    assert_eq!(res.status(), 413);
+    let error: serde_json::Value = res.json().await?;
+    assert_eq!(error["error"]["code"], "payload_too_large");
     let res = app
         .client
         .post(&login)
