@@ -31,6 +31,23 @@ pub struct Counts {
     flights: Arc<Mutex<HashMap<(TargetId, Fence), Flight>>>,
 }
 
+/// What a page's lookup in the cache told of its misses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lookup {
+    /// Redis answered, and the entry had no value.
+    FoundEmpty,
+    /// Redis did not answer: the entry may have been filled already.
+    Failed,
+}
+
+/// What a miss does about the fill of its entry in flight, if any.
+enum Turn {
+    Join(Flight),
+    Alone,
+    /// Fills the entry, and tells the misses that join what it served.
+    Lead(oneshot::Sender<Totals>),
+}
+
 /// What the fill in flight served, for the misses that joined it; its
 /// sender is dropped unsent when the fill did not land in the entry.
 type Flight = Shared<oneshot::Receiver<Totals>>;
@@ -70,19 +87,19 @@ impl Counts {
     /// over that target's own partitions, the statics only, never the
     /// voters). With Redis down every target is read from Cassandra.
     pub async fn get_many(&self, targets: &[TargetId]) -> Result<Vec<Totals>, StoreError> {
-        let cached = match self.cache.get_many(targets).await {
+        let (cached, seen) = match self.cache.get_many(targets).await {
             Ok(c) => {
                 let hits = c.iter().filter(|h| h.is_some()).count() as u64;
                 metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "hit").increment(hits);
                 metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "miss")
                     .increment(c.len() as u64 - hits);
-                c
+                (c, Lookup::FoundEmpty)
             }
             Err(e) => {
                 metrics::counter!(crate::metrics::CACHE_LOOKUPS, "result" => "error")
                     .increment(targets.len() as u64);
                 tracing::warn!(error = %e, "count cache unreadable; serving durable totals");
-                vec![None; targets.len()]
+                (vec![None; targets.len()], Lookup::Failed)
             }
         };
         // Only the misses become futures: a page of hits is served with no
@@ -101,7 +118,7 @@ impl Counts {
             missed
                 .iter()
                 .enumerate()
-                .map(|(j, t)| self.fill(t, fences.as_ref().map(|f| &f[j]))),
+                .map(|(j, t)| self.fill(t, fences.as_ref().map(|f| &f[j]), seen)),
         )
         .await?;
         let mut totals: Vec<Totals> = cached.into_iter().map(Option::unwrap_or_default).collect();
@@ -115,28 +132,37 @@ impl Counts {
     /// under the entry's fence, or what a fill in flight under the same
     /// fence put there. An entry dropped since the fence was armed is left
     /// alone, and this read is served the heads.
-    async fn fill(&self, target: &TargetId, fence: Option<&Fence>) -> Result<Totals, StoreError> {
+    async fn fill(
+        &self,
+        target: &TargetId,
+        fence: Option<&Fence>,
+        seen: Lookup,
+    ) -> Result<Totals, StoreError> {
         let Some(fence) = fence else {
             return Ok(self.read_heads(target).await?.totals());
         };
         let key = (target.clone(), fence.clone());
-        let joined = {
+        let turn = {
             let mut flights = self.flights.lock().unwrap_or_else(|e| e.into_inner());
             match flights.get(&key) {
-                Some(flight) => Ok(flight.clone()),
+                // Only a miss that found the entry empty may join: one whose
+                // lookup failed may come after the fill in flight landed,
+                // and after a vote counted on top of it.
+                Some(flight) if seen == Lookup::FoundEmpty => Turn::Join(flight.clone()),
+                Some(_) => Turn::Alone,
                 None => {
                     let (landed, flight) = oneshot::channel();
                     flights.insert(key.clone(), flight.shared());
-                    Err(landed)
+                    Turn::Lead(landed)
                 }
             }
         };
-        match joined {
+        match turn {
             // The same fence means no drop came between the fill's arming
             // and this miss's, and the fill lands after this miss found the
             // entry empty: what it serves counts every write through that
             // reached the entry before this page could be answered.
-            Ok(flight) => match flight.await {
+            Turn::Join(flight) => match flight.await {
                 Ok(served) => {
                     metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "joined").increment(1);
                     Ok(served)
@@ -145,7 +171,8 @@ impl Counts {
                 // dropped: read on this miss's own.
                 Err(_) => Ok(self.fill_alone(target, fence).await?.0),
             },
-            Err(landed) => {
+            Turn::Alone => Ok(self.fill_alone(target, fence).await?.0),
+            Turn::Lead(landed) => {
                 let _leaving = Leaving {
                     flights: &self.flights,
                     key,
