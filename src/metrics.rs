@@ -63,9 +63,12 @@ pub const RELAY_PUBLISHED: &str = "tally_relay_published_total";
 pub const REPLAYS_REPUBLISHED: &str = "tally_replays_republished_total";
 /// Whether each dependency answered its last check (1) or not (0).
 pub const DEPENDENCY_UP: &str = "tally_dependency_up";
-/// Events sent to the dead-letter topic, by cause (invalid, parked).
+/// How far Redis's clock is ahead of this process's (behind when
+/// negative), as its `TIME` answered the last check.
+pub const REDIS_CLOCK_OFFSET: &str = "tally_redis_clock_offset_seconds";
 /// Votes taken without checking the user's count of the day (Redis did not answer).
 pub const DAILY_UNCHECKED: &str = "tally_daily_limit_unchecked_total";
+/// Events sent to the dead-letter topic, by cause (invalid, parked).
 pub const DEAD_LETTERED: &str = "tally_consumer_dead_lettered_total";
 pub const GAPS: &str = "tally_consumer_gaps_total";
 /// Events counted by the consumer, by result (applied, replay).
@@ -125,6 +128,11 @@ fn describe() {
         VOTE_READ_SECONDS,
         Unit::Seconds,
         "GET /v1/votes/summary latency (p95 target 20 ms)"
+    );
+    describe_gauge!(
+        REDIS_CLOCK_OFFSET,
+        Unit::Seconds,
+        "how far Redis's clock is ahead of this host's (negative: behind), from TIME every 5 s; a vote's cache step allows 0.1 s, and hosts' offsets differ by their clocks' skew"
     );
     describe_gauge!(
         CONSUMER_LAG_MESSAGES,

@@ -465,6 +465,7 @@ impl Application {
         // A vote's cache step and `POST /v1/admin/reconcile`'s write through
         // owe a drop where Redis did not take them, as in the consumer.
         tokio::spawn(cache.clone().keep_dropping_owed());
+        tokio::spawn(cache.clone().keep_checking_clock());
         tokio::spawn(config.cache_ttl.clone().follow_consumer_lag(
             cache.clone(),
             config.stores.kafka.clone(),

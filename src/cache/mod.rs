@@ -739,6 +739,18 @@ const RUN_CHECKED_EVERY: Duration = Duration::from_secs(1);
 /// How often a process that owes drops tries Redis again.
 const DROPS_OWED_EVERY: Duration = Duration::from_millis(250);
 
+/// How often the API measures Redis's clock against its own.
+const CLOCK_CHECKED_EVERY: Duration = Duration::from_secs(5);
+
+/// Redis's clock against this host's (`Cache::clock_offset`), in seconds.
+#[derive(Debug, Clone, Copy)]
+pub struct ClockOffset {
+    /// How far Redis's clock is ahead; negative when it is behind.
+    pub ahead: f64,
+    /// Give or take: half the round trip of the measurement.
+    pub within: f64,
+}
+
 /// How much earlier than its own deadline a vote's change is refused by
 /// Redis: a margin for the clocks of the API and Redis to disagree.
 const CLOCK_MARGIN: Duration = Duration::from_millis(100);
@@ -1431,6 +1443,58 @@ impl Cache {
                 Err(e) => {
                     tracing::debug!(error = %e, "could not check which Redis process serves the cache")
                 }
+            }
+        }
+    }
+
+    /// How far Redis's clock is ahead of this host's (negative: behind),
+    /// and how uncertain that is (half the round trip of its `TIME`).
+    pub async fn clock_offset(&self) -> Result<ClockOffset, CacheError> {
+        let sent = SystemTime::now();
+        let (secs, micros): (u64, u64) = self
+            .within(|mut c| async move { redis::cmd("TIME").query_async(&mut c).await })
+            .await?;
+        let answered = SystemTime::now();
+        let unix = |t: SystemTime| {
+            t.duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64()
+        };
+        let half_trip = (unix(answered) - unix(sent)).max(0.0) / 2.0;
+        let redis = secs as f64 + micros as f64 / 1e6;
+        Ok(ClockOffset {
+            ahead: redis - (unix(sent) + half_trip),
+            within: half_trip,
+        })
+    }
+
+    /// Measures Redis's clock against this host's every `CLOCK_CHECKED_EVERY`
+    /// and exports it, warning while the gap is wider than a vote's cache
+    /// step allows: Redis refuses a change after a deadline set by this
+    /// host's clock, and a Redis clock behind by more lets a late change
+    /// land after the vote was published, to be counted beside the
+    /// consumer's count of it.
+    pub async fn keep_checking_clock(self) {
+        let mut tick = tokio::time::interval(CLOCK_CHECKED_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut apart = false;
+        loop {
+            tick.tick().await;
+            let Ok(offset) = self.clock_offset().await else {
+                continue;
+            };
+            metrics::gauge!(crate::metrics::REDIS_CLOCK_OFFSET).set(offset.ahead);
+            let too_far = offset.ahead.abs() - offset.within > CLOCK_MARGIN.as_secs_f64();
+            if too_far && !std::mem::replace(&mut apart, true) {
+                tracing::warn!(
+                    redis_ahead_seconds = offset.ahead,
+                    "Redis's clock and this host's are further apart than a vote's cache step allows (0.1 s): behind, a late cache step may land after the consumer counted its vote, which is then served twice for a while; ahead, cache steps are refused and served counts wait for the consumer. Synchronise both clocks (NTP)"
+                );
+            } else if !too_far && std::mem::replace(&mut apart, false) {
+                tracing::info!(
+                    redis_ahead_seconds = offset.ahead,
+                    "Redis's clock and this host's agree again"
+                );
             }
         }
     }

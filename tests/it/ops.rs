@@ -444,3 +444,42 @@ async fn a_vote_process_started_before_cassandra_answers_waits_for_it_then_serve
 fn num_of(status: &serde_json::Value, key: &str) -> f64 {
     status[key].as_f64().unwrap_or(f64::NAN)
 }
+
+/// Redis's clock as each `tally vote` measures it against its own, which a
+/// vote's cache step relies on: exported, so operators can alert on it and
+/// compare hosts. Through a link that shifts Redis's `TIME` 3 s ahead, the
+/// offset reads 3 s; straight to the same Redis, next to nothing.
+#[tokio::test]
+async fn the_api_exports_how_far_the_clock_of_redis_is_from_its_own() -> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let ahead = crate::support::SkewedLink::start(redis.port, 3).await;
+    let offset = async |app: &crate::support::TestApp| {
+        let text = scrape(&app.client, &format!("{}/metrics", app.ops)).await;
+        sample_sum(&text, "tally_redis_clock_offset_seconds", &[])
+    };
+    let mut readings = Vec::new();
+    for port in [ahead.port, redis.port] {
+        let (process, app) = env
+            .spawn_vote_process(|cmd| {
+                cmd.env("TALLY_REDIS_URL", format!("redis://127.0.0.1:{port}"));
+            })
+            .await?;
+        let reading = eventually("the clock's offset", Duration::from_secs(30), || {
+            offset(&app)
+        })
+        .await;
+        readings.push(reading);
+        drop(process);
+    }
+    let (through_link, straight) = (readings[0], readings[1]);
+    assert!(
+        (through_link - 3.0).abs() < 0.25,
+        "Redis 3 s ahead read as {through_link} s"
+    );
+    assert!(
+        straight.abs() < 0.25,
+        "the same clock read as {straight} s apart"
+    );
+    Ok(())
+}

@@ -33,7 +33,7 @@ pub use app::{Reply, TestApp, new_key, post_vote, token, until_serving, wait_unt
 pub use env::{CLUSTER_HOSTS, TEST_BUCKETS, TEST_PARTITIONS, TestEnv, secure_vars};
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
-pub use servers::{GatedLink, LateLink, PrivateRedis, Proc, free_port, signal};
+pub use servers::{GatedLink, LateLink, PrivateRedis, Proc, SkewedLink, free_port, signal};
 pub use truth::{Tallies, Tally};
 pub use writers::MoveFence;
 

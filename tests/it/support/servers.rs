@@ -362,3 +362,72 @@ async fn gated(
         }
     }
 }
+
+/// A TCP link to a Redis on 127.0.0.1 whose `TIME` answers come through
+/// `shift` seconds later than Redis gave them (earlier when negative): what
+/// a client sees of a Redis whose clock is that far off. Everything else
+/// passes as it is.
+pub struct SkewedLink {
+    pub port: u16,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl SkewedLink {
+    pub async fn start(upstream: u16, shift: i64) -> SkewedLink {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = listener.local_addr().map_or(0, |a| a.port());
+        let accepting = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(skewed(client, upstream, shift));
+            }
+        });
+        SkewedLink { port, accepting }
+    }
+}
+
+impl Drop for SkewedLink {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+async fn skewed(client: tokio::net::TcpStream, upstream: u16, shift: i64) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+        return;
+    };
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+    });
+    // TIME's answer: an array of two bulk strings, the first ten digits of
+    // seconds (until 2286).
+    const TIME: &[u8] = b"*2\r\n$10\r\n";
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from_server.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let chunk = &mut buf[..n];
+        let mut at = 0;
+        while let Some(i) = chunk[at..].windows(TIME.len()).position(|w| w == TIME) {
+            let digits = at + i + TIME.len();
+            let Some(secs) = chunk
+                .get(digits..digits + 10)
+                .and_then(|d| std::str::from_utf8(d).ok())
+                .and_then(|d| d.parse::<i64>().ok())
+            else {
+                break;
+            };
+            chunk[digits..digits + 10].copy_from_slice(format!("{:010}", secs + shift).as_bytes());
+            at = digits + 10;
+        }
+        if to_client.write_all(chunk).await.is_err() {
+            return;
+        }
+    }
+}
