@@ -69,6 +69,9 @@ pub struct Status {
     pub drops_owed_api: Option<f64>,
     pub drops_owed_consumer: Option<f64>,
     pub batches_held: Option<f64>,
+    /// How far Redis's clock is ahead of the vote API's host's (negative:
+    /// behind), as the API last measured it.
+    pub redis_clock_offset_seconds: Option<f64>,
     /// Hits over hits and misses since the API started; `null` before any lookup.
     pub cache_hit_ratio: Option<f64>,
     pub cas_not_applied: Option<f64>,
@@ -184,6 +187,7 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> Status {
         drops_owed_api: v("tally_cache_drops_owed", &[]),
         drops_owed_consumer: c("tally_cache_drops_owed", &[]),
         batches_held: c("tally_consumer_batches_held", &[]),
+        redis_clock_offset_seconds: v("tally_redis_clock_offset_seconds", &[]),
         cache_hit_ratio: hits
             .zip(misses)
             .and_then(|(h, m)| (h + m > 0.0).then(|| h / (h + m))),
@@ -401,6 +405,13 @@ pub fn screen(s: &Status, colour: bool) -> String {
         ),
     );
     line(
+        "redis clock",
+        s.redis_clock_offset_seconds.is_some_and(|o| o.abs() > 0.1),
+        s.redis_clock_offset_seconds.map_or("-".to_owned(), |o| {
+            format!("{:+.1} ms from the vote API's host's", o * 1000.0)
+        }),
+    );
+    line(
         "cache hit ratio",
         s.cache_hit_ratio.is_some_and(|r| r < 0.8),
         s.cache_hit_ratio
@@ -482,6 +493,7 @@ mod tests {
             drops_owed_api: None,
             drops_owed_consumer: Some(2.0),
             batches_held: Some(0.0),
+            redis_clock_offset_seconds: None,
             cache_hit_ratio: None,
             cas_not_applied: None,
             cas_unknown: None,

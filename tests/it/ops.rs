@@ -321,6 +321,10 @@ async fn tally_status_reports_what_the_services_metrics_and_the_group_offsets_sa
         num("batches_held"),
         sample_sum(&consumer, "tally_consumer_batches_held", &[]).unwrap_or(0.0)
     );
+    assert!(
+        num("redis_clock_offset_seconds").abs() < 0.25,
+        "one host's clock against itself: {status}"
+    );
     assert_eq!(num("votes_per_sec"), 0.0, "nothing voted during its reads");
     let lag = status["lag"].as_array().cloned().unwrap_or_default();
     assert_eq!(
