@@ -113,6 +113,16 @@ fn gave_up(raced: u32, deadline: Duration) -> CastError {
     )))
 }
 
+/// The longest `tally vote` lets a vote take (`CastConfig::longest_vote`):
+/// what the cache's marks and reconcile's look at recently changed rows
+/// are sized for, each with room for the hosts' clocks to disagree. 20 s
+/// with the default timeouts.
+pub const LONGEST_VOTE: Duration = Duration::from_secs(30);
+
+/// Room on top of `LONGEST_VOTE` for the clocks of the hosts (the vote's,
+/// the consumer's or reconcile's, Redis's) to disagree.
+pub const CLOCK_ROOM: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Clone)]
 pub struct CastConfig {
     /// Conditional writes tried before answering `Contention`.

@@ -407,10 +407,11 @@ impl Reconciler {
 }
 
 /// How long after its row changed a vote may still be counting the change
-/// in the cache: `CastConfig::longest_vote` with the default settings (its
-/// 8 s deadline, two Cassandra requests of 5 s, the cache step's 2 s), with
-/// room for the clocks of the hosts to disagree.
-const VOTE_CACHE_WINDOW: Duration = Duration::from_secs(30);
+/// in the cache: the longest `tally vote` lets a vote take (20 s with the
+/// default settings: its 8 s deadline, two Cassandra requests of 5 s, the
+/// cache step's 2 s), with room for the clocks of the hosts to disagree.
+const VOTE_CACHE_WINDOW: Duration =
+    crate::cast::LONGEST_VOTE.saturating_add(crate::cast::CLOCK_ROOM);
 
 /// How often a sweep inside one large target saves where it is.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(10);

@@ -229,15 +229,27 @@ impl ApiConfig {
                 shown(self.cache_ttl.max)
             ));
         }
+        // The cache's marks and reconcile's look at recent rows cover a
+        // vote's late cache step for so long: a vote that may take longer
+        // could count in the cache a change they took for counted already.
+        let longest_vote = self
+            .cast_config()
+            .longest_vote(self.stores.redis.change_budget());
+        if longest_vote > crate::cast::LONGEST_VOTE {
+            return Err(format!(
+                "--cassandra-timeout-ms and --redis-timeout let a vote take {} (its deadline, \
+                 two Cassandra requests and counting it in the cache), more than the {} the \
+                 cache's marks and reconcile are sized for",
+                shown(longest_vote),
+                shown(crate::cast::LONGEST_VOTE)
+            ));
+        }
         if self.relay.disabled {
             return Ok(());
         }
         // The relay must not look at a vote still in flight: it would take
         // it for one that never committed, and if the vote's own publish then
         // failed, only reconcile would count it.
-        let longest_vote = self
-            .cast_config()
-            .longest_vote(self.stores.redis.change_budget());
         if self.relay.settle <= longest_vote {
             return Err(format!(
                 "--relay-settle {} is not longer than a vote may take ({}: \

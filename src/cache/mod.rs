@@ -721,9 +721,8 @@ const UNCOUNT: &str = "if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then \
     return redis.call('DECR', KEYS[1]) end return 0";
 
 /// How long a `c:` mark lasts, and keeps its entry: as long as a late cache
-/// step may still come, longer than a vote takes with the default timeouts
-/// (`CastConfig::longest_vote`, 20 s).
-const MARK_LIFE: Duration = Duration::from_secs(30);
+/// step may still come, longer than `tally vote` lets a vote take.
+const MARK_LIFE: Duration = crate::cast::LONGEST_VOTE.saturating_add(crate::cast::CLOCK_ROOM);
 
 /// How old a pending change may grow before a write-through drops it: far
 /// beyond a healthy consumer's lag. A lagging consumer's changes may be

@@ -313,6 +313,35 @@ mod tests {
         assert_eq!(check("0.0.0.0:8080", "127.0.0.1:9090"), Ok(()));
     }
 
+    /// The cache's marks and reconcile's look at recent rows cover a vote's
+    /// late cache step for 30 s after its row changed: timeouts that let a
+    /// vote take longer are refused, relay or not.
+    #[test]
+    fn a_vote_may_not_take_longer_than_the_marks_of_the_cache_last() {
+        let check = |args: &[&str]| {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            cli.command.check()
+        };
+        let vote = |extra: &[&str]| {
+            let mut args = vec!["tally", "vote", "--relay-settle", "1m"];
+            args.extend_from_slice(extra);
+            check(&args)
+        };
+        // 8 s + 2 x 10 s + 2 s in the cache: 30 s.
+        assert_eq!(vote(&["--cassandra-timeout-ms", "10000"]), Ok(()));
+        let refused = vote(&["--cassandra-timeout-ms", "10001"])
+            .err()
+            .unwrap_or_default();
+        assert!(
+            refused.contains("--cassandra-timeout-ms and --redis-timeout"),
+            "{refused}"
+        );
+        // 8 s + 2 x 5 s + (2 x 6 s + 1 s) in the cache: 31 s.
+        assert!(vote(&["--redis-timeout", "6s"]).is_err());
+        assert_eq!(vote(&["--redis-timeout", "5500ms"]), Ok(()));
+        assert!(vote(&["--no-relay", "--redis-timeout", "6s"]).is_err());
+    }
+
     #[test]
     fn a_vote_without_a_relay_needs_no_settle_longer_than_a_vote() {
         let check = |args: &[&str]| {
