@@ -535,30 +535,34 @@ impl Caster {
         })
     }
 
-    /// The stored answer to `key`, when a vote with it committed and this is
-    /// the same request again: what a retry gets while its user is over the
-    /// rate limit. One read at LOCAL_QUORUM; `None` on no record, another
-    /// request's, or a failed read (the caller answers 429 then).
+    /// What `key` already answers, which needs no new write: its stored
+    /// answer when a vote with it committed and this is the same request
+    /// again, `KeyReused` when it was another request's. What a request
+    /// gets while its user is over a limit. One read at LOCAL_QUORUM;
+    /// `None` on no record or a failed read (the caller answers 429 then).
     pub async fn recorded(
         &self,
         user: &UserId,
         key: &IdempotencyKey,
         vote: &Vote,
         request_id: &str,
-    ) -> Option<Answer> {
+    ) -> Option<Result<Answer, CastError>> {
         let snap = self
             .store
             .reactions
             .snapshot(user, &vote.target_id, key, false)
             .await
             .ok()?;
-        let record = snap.record.filter(|r| r.request_hash == vote.hash())?;
+        let record = snap.record?;
+        if record.request_hash != vote.hash() {
+            return Some(Err(CastError::KeyReused));
+        }
         self.after.republish(&record, user, key, request_id);
-        Some(Answer {
+        Some(Ok(Answer {
             status: record.status,
             body: record.body,
             replayed: true,
-        })
+        }))
     }
 
     /// After a conditional write whose outcome is unknown, reads at SERIAL

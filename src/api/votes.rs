@@ -44,15 +44,16 @@ pub async fn cast(
     let counted = match over_a_limit(&state, &clients, &caller.user, &vote).await {
         Ok(counted) => counted,
         Err(refusal) => {
-            // A retry of a vote that already committed still gets its answer:
-            // the limits are on new votes, not on learning what happened to
-            // one. One read, and only for a user who is over a limit.
+            // A retry of a vote that already committed still gets its answer,
+            // and a key used for another request its 422: the limits are on
+            // new votes, not on learning what happened to one. One read, and
+            // only for a user who is over a limit.
             return match clients
                 .caster
                 .recorded(&caller.user, &key, &vote, &request_id.0)
                 .await
             {
-                Some(answer) => respond(answer),
+                Some(answer) => respond(answer?),
                 None => Err(refusal),
             };
         }

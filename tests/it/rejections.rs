@@ -822,9 +822,14 @@ async fn a_retry_of_a_committed_vote_gets_its_answer_while_its_user_is_rate_limi
     assert_eq!(retry.status, 200, "{}", retry.body);
     assert_eq!(retry.body, first.body);
     assert!(retry.replayed(), "{:?}", retry.headers);
-    // ...and the same key with another body is not a retry of it.
+    // ...and the same key with another body is not a retry of it: it is
+    // told so at once, not sent to wait out a limit and be told then.
     let other = app.vote("hasty", &key, "video_once", "dislike").await;
-    assert_eq!(other.status, 429, "{}", other.body);
+    assert_eq!(other.status, 422, "{}", other.body);
+    assert_eq!(other.code(), "idempotency_key_reused", "{}", other.body);
+    // A new key is still held to the limit.
+    let fresh = app.vote("hasty", new_key(), "video_once", "dislike").await;
+    assert_eq!(fresh.status, 429, "{}", fresh.body);
 
     let served = app.summary("hasty", "video_once").await.json();
     assert_eq!(served["items"]["video_once"]["likes"], 1, "{served}");
