@@ -100,23 +100,24 @@ pub enum CastError {
 }
 
 /// Why a vote that never committed stopped trying: other votes of the
-/// user kept moving its row (409: a retry may go through at once), or the
-/// deadline passed with no write refused by one (503: the stores were too
-/// slow, or their reads ahead of the write took the time), which a client
+/// user kept moving its row (409: a retry may go through at once), or its
+/// attempts or its deadline ran out with no other vote in its way (503: the
+/// stores were too slow, their writes' outcomes unknown and then found not
+/// applied, or the reads ahead of the write took the time), which a client
 /// must not take for a conflict.
 fn gave_up(raced: u32, deadline: Duration) -> CastError {
     if raced > 0 {
         return CastError::Contention;
     }
     CastError::Store(StoreError::Request(anyhow::anyhow!(
-        "the vote's deadline ({deadline:?}) passed before a conditional write of it could apply"
+        "no conditional write of the vote applied within its attempts and its deadline ({deadline:?}), and no other vote moved its row"
     )))
 }
 
-/// The longest `tally vote` lets a vote take (`CastConfig::longest_vote`):
-/// what the cache's marks and reconcile's look at recently changed rows
-/// are sized for, each with room for the hosts' clocks to disagree. 20 s
-/// with the default timeouts.
+/// The longest `tally vote` lets a vote take (`CastConfig::longest_vote`,
+/// 20 s with the default timeouts): what the cache's marks and reconcile's
+/// look at recently changed rows are sized for, each with room for the
+/// hosts' clocks to disagree.
 pub const LONGEST_VOTE: Duration = Duration::from_secs(30);
 
 /// Room on top of `LONGEST_VOTE` for the clocks of the hosts (the vote's,
@@ -125,7 +126,7 @@ pub const CLOCK_ROOM: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct CastConfig {
-    /// Conditional writes tried before answering `Contention`.
+    /// Conditional writes tried before giving up (`gave_up`).
     pub max_attempts: u32,
     /// No new conditional write starts after this long. The relay waits
     /// longer than this before it decides a vote never committed.
@@ -323,7 +324,7 @@ impl Caster {
         // wrong guess costs one refused round, which returns the truth.
         let mut current = self.hints.get(user, &vote.target_id);
         let mut refusals = 0u32;
-        // Refusals that found the row moved by another vote of this user.
+        // Attempts that found the row moved by another vote of this user.
         let mut raced = 0u32;
 
         for n in 0..self.config.max_attempts {
@@ -395,9 +396,13 @@ impl Caster {
                     "the key's row exists but holds no whole record"
                 )));
             }
+            // A race: the row moved from what the store itself last told
+            // this vote. The first attempt's guess may be merely wrong (a
+            // hint from another instance's day, or none), and a write whose
+            // outcome was unknown is a race too if the row moved meanwhile.
+            raced += u32::from(n > 0 && snap.current != current);
             current = snap.current;
             refusals += 1;
-            raced += u32::from(refused);
             if refusals > 1 {
                 tracing::debug!(user = %user, target_id = %vote.target_id, attempt = n, "conditional write lost a race; retrying");
                 // Another vote of this user keeps moving the row: spread out.

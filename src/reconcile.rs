@@ -407,9 +407,9 @@ impl Reconciler {
 }
 
 /// How long after its row changed a vote may still be counting the change
-/// in the cache: the longest `tally vote` lets a vote take (20 s with the
-/// default settings: its 8 s deadline, two Cassandra requests of 5 s, the
-/// cache step's 2 s), with room for the clocks of the hosts to disagree.
+/// in the cache: the longest `tally vote` lets a vote take (30 s; 20 s with
+/// the default settings: its 8 s deadline, two Cassandra requests of 5 s,
+/// the cache step's 2 s), with room for the clocks of the hosts to disagree.
 const VOTE_CACHE_WINDOW: Duration =
     crate::cast::LONGEST_VOTE.saturating_add(crate::cast::CLOCK_ROOM);
 

@@ -314,8 +314,9 @@ mod tests {
     }
 
     /// The cache's marks and reconcile's look at recent rows cover a vote's
-    /// late cache step for 30 s after its row changed: timeouts that let a
-    /// vote take longer are refused, relay or not.
+    /// late cache step for 40 s after its row changed, 10 s of it for
+    /// clocks: timeouts that let a vote take over 30 s are refused, relay or
+    /// not.
     #[test]
     fn a_vote_may_not_take_longer_than_the_marks_of_the_cache_last() {
         let check = |args: &[&str]| {
