@@ -66,6 +66,8 @@ pub const DEPENDENCY_UP: &str = "tally_dependency_up";
 /// How far Redis's clock is ahead of this process's (behind when
 /// negative), as its `TIME` answered the last check.
 pub const REDIS_CLOCK_OFFSET: &str = "tally_redis_clock_offset_seconds";
+/// Give or take: half the round trip of the measurement kept.
+pub const REDIS_CLOCK_UNCERTAINTY: &str = "tally_redis_clock_uncertainty_seconds";
 /// Votes taken without checking the user's count of the day (Redis did not answer).
 pub const DAILY_UNCHECKED: &str = "tally_daily_limit_unchecked_total";
 /// Events sent to the dead-letter topic, by cause (invalid, parked).
@@ -132,7 +134,12 @@ fn describe() {
     describe_gauge!(
         REDIS_CLOCK_OFFSET,
         Unit::Seconds,
-        "how far Redis's clock is ahead of this host's (negative: behind), from TIME every 5 s; a vote's cache step allows 0.1 s, and hosts' offsets differ by their clocks' skew"
+        "how far Redis's clock is ahead of this host's (negative: behind), from TIME every 5 s (NaN when Redis did not answer); a vote's cache step allows 0.1 s, and hosts' offsets differ by their clocks' skew"
+    );
+    describe_gauge!(
+        REDIS_CLOCK_UNCERTAINTY,
+        Unit::Seconds,
+        "how uncertain tally_redis_clock_offset_seconds is: half the round trip of the TIME it was measured with"
     );
     describe_gauge!(
         CONSUMER_LAG_MESSAGES,

@@ -187,7 +187,8 @@ async fn read(args: &StatusArgs, client: &reqwest::Client) -> Status {
         drops_owed_api: v("tally_cache_drops_owed", &[]),
         drops_owed_consumer: c("tally_cache_drops_owed", &[]),
         batches_held: c("tally_consumer_batches_held", &[]),
-        redis_clock_offset_seconds: v("tally_redis_clock_offset_seconds", &[]),
+        redis_clock_offset_seconds: v("tally_redis_clock_offset_seconds", &[])
+            .filter(|o| o.is_finite()),
         cache_hit_ratio: hits
             .zip(misses)
             .and_then(|(h, m)| (h + m > 0.0).then(|| h / (h + m))),

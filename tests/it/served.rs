@@ -2001,7 +2001,8 @@ async fn pages_that_miss_one_entry_together_read_its_heads_once_and_serve_the_tr
         .spawn_vote_process(|cmd| {
             cmd.env("TALLY_REDIS_URL", &url)
                 .env("TALLY_WORKERS", "1")
-                .env("TALLY_REDIS_TIMEOUT", "5s")
+                .env("TALLY_REDIS_TIMEOUT", "8s")
+                .env("TALLY_CASSANDRA_TIMEOUT_MS", "2000")
                 .env("TALLY_RELAY_SETTLE", "3m");
         })
         .await?;
