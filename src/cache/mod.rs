@@ -738,6 +738,14 @@ const RUN_CHECKED_EVERY: Duration = Duration::from_secs(1);
 /// How often a process that owes drops tries Redis again.
 const DROPS_OWED_EVERY: Duration = Duration::from_millis(250);
 
+/// A tick every `period`, the first at once; one that comes late delays
+/// the rest rather than bunching them to catch up.
+fn every(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
 /// How often the API measures Redis's clock against its own.
 const CLOCK_CHECKED_EVERY: Duration = Duration::from_secs(5);
 
@@ -1422,8 +1430,7 @@ impl Cache {
     /// Checks Redis's run (`drop_entries_of_another_run`) every second, for
     /// as long as the process runs.
     pub async fn keep_checking_runs(self) {
-        let mut tick = tokio::time::interval(RUN_CHECKED_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = every(RUN_CHECKED_EVERY);
         let mut refused = false;
         loop {
             tick.tick().await;
@@ -1477,8 +1484,7 @@ impl Cache {
     /// land after the vote was published, to be counted beside the
     /// consumer's count of it.
     pub async fn keep_checking_clock(self) {
-        let mut tick = tokio::time::interval(CLOCK_CHECKED_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = every(CLOCK_CHECKED_EVERY);
         let mut apart = false;
         loop {
             tick.tick().await;
@@ -1518,8 +1524,7 @@ impl Cache {
     /// Sends the drops owed (`drop_owed`) whenever there are some, for as
     /// long as the process runs.
     pub async fn keep_dropping_owed(self) {
-        let mut tick = tokio::time::interval(DROPS_OWED_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = every(DROPS_OWED_EVERY);
         let mut refused = false;
         loop {
             tick.tick().await;

@@ -144,6 +144,49 @@ pub fn free_port() -> u16 {
     panic!("no free port between {lo} and {hi}")
 }
 
+/// A listener on a free port of 127.0.0.1 that opens a connection to
+/// `upstream` for each it accepts and gives both to `carry`; dropped, it
+/// accepts no more.
+struct Link {
+    port: u16,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl Link {
+    async fn start<F, Fut>(upstream: u16, carry: F) -> Link
+    where
+        F: Fn(tokio::net::TcpStream, tokio::net::TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = listener.local_addr().map_or(0, |a| a.port());
+        let accepting = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await {
+                    tokio::spawn(carry(client, server));
+                }
+            }
+        });
+        Link { port, accepting }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+/// Copies what `from` sends to `to` until either side ends, in a task of
+/// its own.
+fn pass(mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf) {
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from, &mut to).await;
+    });
+}
+
 /// A TCP link to a server on 127.0.0.1 that, once told to hold, delivers the
 /// next script call (`EVALSHA`) sent through it `late` after it came, and
 /// loses every byte sent to the server after that one: a network that
@@ -153,7 +196,7 @@ pub struct LateLink {
     pub port: u16,
     mode: std::sync::Arc<std::sync::Mutex<LinkMode>>,
     delivered: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    accepting: tokio::task::JoinHandle<()>,
+    _link: Link,
 }
 
 #[derive(Clone, Copy)]
@@ -165,23 +208,18 @@ enum LinkMode {
 
 impl LateLink {
     pub async fn start(upstream: u16) -> LateLink {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let port = listener.local_addr().map_or(0, |a| a.port());
         let mode = std::sync::Arc::new(std::sync::Mutex::new(LinkMode::Pass));
         let delivered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (m, d) = (mode.clone(), delivered.clone());
-        let accepting = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(carry(client, upstream, m.clone(), d.clone()));
-            }
-        });
+        let link = Link::start(upstream, move |client, server| {
+            carry(client, server, m.clone(), d.clone())
+        })
+        .await;
         LateLink {
-            port,
+            port: link.port,
             mode,
             delivered,
-            accepting,
+            _link: link,
         }
     }
 
@@ -195,27 +233,16 @@ impl LateLink {
     }
 }
 
-impl Drop for LateLink {
-    fn drop(&mut self) {
-        self.accepting.abort();
-    }
-}
-
 async fn carry(
     client: tokio::net::TcpStream,
-    upstream: u16,
+    server: tokio::net::TcpStream,
     mode: std::sync::Arc<std::sync::Mutex<LinkMode>>,
     delivered: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
-        return;
-    };
-    let (mut from_client, mut to_client) = client.into_split();
-    let (mut from_server, mut to_server) = server.into_split();
-    tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
-    });
+    let (mut from_client, to_client) = client.into_split();
+    let (from_server, mut to_server) = server.into_split();
+    pass(from_server, to_client);
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match from_client.read(&mut buf).await {
@@ -258,35 +285,24 @@ pub struct GatedLink {
     pub port: u16,
     open: tokio::sync::watch::Sender<bool>,
     held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    accepting: tokio::task::JoinHandle<()>,
+    _link: Link,
 }
 
 impl GatedLink {
     /// Open at first; `word` is what `held` counts.
     pub async fn start(upstream: u16, word: &'static [u8]) -> GatedLink {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let port = listener.local_addr().map_or(0, |a| a.port());
         let (open, _) = tokio::sync::watch::channel(true);
         let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (gate, counted) = (open.clone(), held.clone());
-        let accepting = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(gated(
-                    client,
-                    upstream,
-                    gate.subscribe(),
-                    counted.clone(),
-                    word,
-                ));
-            }
-        });
+        let link = Link::start(upstream, move |client, server| {
+            gated(client, server, gate.subscribe(), counted.clone(), word)
+        })
+        .await;
         GatedLink {
-            port,
+            port: link.port,
             open,
             held,
-            accepting,
+            _link: link,
         }
     }
 
@@ -305,28 +321,17 @@ impl GatedLink {
     }
 }
 
-impl Drop for GatedLink {
-    fn drop(&mut self) {
-        self.accepting.abort();
-    }
-}
-
 async fn gated(
     client: tokio::net::TcpStream,
-    upstream: u16,
+    server: tokio::net::TcpStream,
     mut open: tokio::sync::watch::Receiver<bool>,
     counted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     word: &'static [u8],
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
-        return;
-    };
-    let (mut from_client, mut to_client) = client.into_split();
-    let (mut from_server, mut to_server) = server.into_split();
-    tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
-    });
+    let (mut from_client, to_client) = client.into_split();
+    let (from_server, mut to_server) = server.into_split();
+    pass(from_server, to_client);
     let count = |bytes: &[u8]| bytes.windows(word.len()).filter(|w| *w == word).count();
     let mut held: Vec<u8> = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
@@ -369,40 +374,27 @@ async fn gated(
 /// passes as it is.
 pub struct SkewedLink {
     pub port: u16,
-    accepting: tokio::task::JoinHandle<()>,
+    _link: Link,
 }
 
 impl SkewedLink {
     pub async fn start(upstream: u16, shift: i64) -> SkewedLink {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", free_port()))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let port = listener.local_addr().map_or(0, |a| a.port());
-        let accepting = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(skewed(client, upstream, shift));
-            }
-        });
-        SkewedLink { port, accepting }
+        let link = Link::start(upstream, move |client, server| {
+            skewed(client, server, shift)
+        })
+        .await;
+        SkewedLink {
+            port: link.port,
+            _link: link,
+        }
     }
 }
 
-impl Drop for SkewedLink {
-    fn drop(&mut self) {
-        self.accepting.abort();
-    }
-}
-
-async fn skewed(client: tokio::net::TcpStream, upstream: u16, shift: i64) {
+async fn skewed(client: tokio::net::TcpStream, server: tokio::net::TcpStream, shift: i64) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
-        return;
-    };
-    let (mut from_client, mut to_client) = client.into_split();
-    let (mut from_server, mut to_server) = server.into_split();
-    tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
-    });
+    let (from_client, mut to_client) = client.into_split();
+    let (mut from_server, to_server) = server.into_split();
+    pass(from_client, to_server);
     // TIME's answer: an array of two bulk strings, the first ten digits of
     // seconds (until 2286).
     const TIME: &[u8] = b"*2\r\n$10\r\n";
