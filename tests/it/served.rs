@@ -2070,3 +2070,61 @@ async fn pages_that_miss_one_entry_together_read_its_heads_once_and_serve_the_tr
     assert_eq!(read + joined, PAGES as f64);
     Ok(())
 }
+
+/// The vote API owes a drop for every cache step a frozen Redis did not
+/// take, shows it in `tally_cache_drops_owed`, and pays it once Redis
+/// answers: the entry, left at one like, goes, and the next read fills it
+/// from the durable totals, long before its TTL (60 s) would end it.
+#[tokio::test]
+async fn the_vote_api_shows_the_drops_it_owes_a_frozen_redis_and_pays_them_after_the_thaw()
+-> TestResult {
+    let env = TestEnv::new().await;
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    // A process of its own, so its /metrics are this test's alone. The
+    // consumer writes through to the shared Redis, not to this one: only
+    // the API's drops can bring this entry up to date.
+    let (_process, app) = env
+        .spawn_vote_process(|cmd| {
+            cmd.env("TALLY_REDIS_URL", &url)
+                .env("TALLY_REDIS_TIMEOUT", "300ms");
+        })
+        .await?;
+    let consumer = env.start_consumer();
+    let owed = async || {
+        let text = crate::ops::scrape(&app.client, &format!("{}/metrics", app.ops)).await;
+        crate::ops::sample_sum(&text, "tally_cache_drops_owed", &[])
+    };
+    let served = async || totals_served(&app, "owed").await;
+    a_like_counted_and_served(&env, &app, "owed", &served).await;
+    assert_eq!(
+        owed().await.unwrap_or(0.0),
+        0.0,
+        "nothing owed while Redis answers"
+    );
+
+    redis.freeze();
+    let voters = ["o1", "o2", "o3"];
+    for user in voters {
+        let reply = app.vote(user, new_key(), "owed", "dislike").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    eventually(
+        "the vote API to owe the entry a drop",
+        Duration::from_secs(30),
+        || async { owed().await.filter(|&n| n >= 1.0) },
+    )
+    .await;
+    env.wait_until_no_drift(Duration::from_secs(60)).await;
+    redis.thaw();
+
+    eventually(
+        "the vote API to pay what it owes",
+        Duration::from_secs(15),
+        || async { owed().await.filter(|&n| n == 0.0) },
+    )
+    .await;
+    serves_a_like_and_the_dislikes_after_the_thaw(&env, "owed", &voters, served).await;
+    consumer.stop().await;
+    Ok(())
+}
