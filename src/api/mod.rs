@@ -21,7 +21,7 @@ use actix_web::body::{EitherBody, MessageBody};
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::{Next, from_fn};
-use actix_web::{App, HttpMessage, HttpResponse, HttpServer, web};
+use actix_web::{App, HttpMessage, HttpRequest, HttpResponse, HttpServer, web};
 use anyhow::Context;
 use tracing::Instrument;
 
@@ -701,6 +701,14 @@ async fn read_body(
 /// A request's admission permit, in its extensions until it ends (or, for a
 /// vote, until its task does).
 pub struct Admitted(pub admission::Permit);
+
+/// Marks the request's admission permit, if it has one, as past its checks
+/// (its token, its user's limits): from here its time is the stores'.
+fn at_work(req: &HttpRequest) {
+    if let Some(Admitted(permit)) = req.extensions_mut().get_mut::<Admitted>() {
+        permit.at_work();
+    }
+}
 
 /// Around every request: its id (echoed back, on every log line of the
 /// request, carried into Kafka), its access log line, its status count, and

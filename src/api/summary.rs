@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use actix_web::{HttpMessage, HttpRequest, HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
 use super::error::ApiError;
@@ -45,9 +45,7 @@ pub async fn summary(
         .readers
         .check(&caller.user)
         .map_err(ApiError::ReadsLimited)?;
-    if let Some(super::Admitted(permit)) = req.extensions_mut().get_mut::<super::Admitted>() {
-        permit.at_work();
-    }
+    super::at_work(&req);
     let clients = worker.clients().await?;
 
     let (totals, states) = futures::try_join!(

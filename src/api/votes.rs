@@ -62,10 +62,8 @@ pub async fn cast(
     // then drops this handler) cannot stop it between a conditional write
     // whose outcome is unknown and the SERIAL read that learns it. The
     // task holds the admission permit until it ends, within its deadline.
-    let mut permit = req.extensions_mut().remove::<super::Admitted>();
-    if let Some(super::Admitted(p)) = permit.as_mut() {
-        p.at_work();
-    }
+    super::at_work(&req);
+    let permit = req.extensions_mut().remove::<super::Admitted>();
     let task = clients.clone();
     let (user, request_id) = (caller.user, request_id.0.clone());
     let vote_task = async move {

@@ -763,7 +763,7 @@ pub struct ClockOffset {
 
 /// How much earlier than its own deadline a vote's change is refused by
 /// Redis: a margin for the clocks of the API and Redis to disagree.
-const CLOCK_MARGIN: Duration = Duration::from_millis(100);
+pub const CLOCK_MARGIN: Duration = Duration::from_millis(100);
 
 impl Cache {
     pub fn new(config: &RedisConfig, ttl: Duration) -> anyhow::Result<Cache> {

@@ -407,7 +407,8 @@ pub fn screen(s: &Status, colour: bool) -> String {
     );
     line(
         "redis clock",
-        s.redis_clock_offset_seconds.is_some_and(|o| o.abs() > 0.1),
+        s.redis_clock_offset_seconds
+            .is_some_and(|o| o.abs() > crate::cache::CLOCK_MARGIN.as_secs_f64()),
         s.redis_clock_offset_seconds.map_or("-".to_owned(), |o| {
             format!("{:+.1} ms from the vote API's host's", o * 1000.0)
         }),
