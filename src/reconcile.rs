@@ -516,32 +516,33 @@ impl BucketPass<'_> {
             if walk.recount != walk.stored && read_at == ReadAt::Quorum && !self.dry_run {
                 continue;
             }
-            if walk.recount != walk.stored {
-                let recount = walk.recount;
-                let landed = if self.dry_run {
-                    // Nothing fences a dry run's finding: it stands only if
-                    // the bucket did not move while it was walked (its head
-                    // and its rows would be of two moments). Read at SERIAL,
-                    // so a write still in flight is seen.
-                    let now = store
-                        .stats
-                        .head(self.target, self.bucket, ReadAt::Serial)
-                        .await?;
-                    if now.seq == walk.seq {
-                        Landed::Written
-                    } else {
-                        Landed::Lost
-                    }
-                } else {
-                    self.write(&mut walk, recount, (&[], &[]), &[]).await?
-                };
-                if landed == Landed::Lost {
-                    // A real run keeps what its landed pages repaired.
-                    if self.dry_run {
-                        self.found = found_before;
-                    }
+            // Nothing fences a dry run's findings (rows behind their count,
+            // damaged totals): they stand only if the bucket did not move
+            // while it was walked, or its head, its rows and its applied
+            // rows would be of different moments (a small target's rows are
+            // read before its applied rows, and a count landing between
+            // looks like a user counted past their row). Read at SERIAL, so
+            // a write still in flight is seen.
+            let found_any = walk.recount != walk.stored || self.found.behind > found_before.behind;
+            if self.dry_run && found_any {
+                let now = store
+                    .stats
+                    .head(self.target, self.bucket, ReadAt::Serial)
+                    .await?;
+                if now.seq != walk.seq {
+                    self.found = found_before;
                     lost += 1;
                     continue;
+                }
+            }
+            if walk.recount != walk.stored {
+                if !self.dry_run {
+                    let recount = walk.recount;
+                    // A real run keeps what its landed pages repaired.
+                    if self.write(&mut walk, recount, (&[], &[]), &[]).await? == Landed::Lost {
+                        lost += 1;
+                        continue;
+                    }
                 }
                 self.found.damaged_totals = true;
             }
