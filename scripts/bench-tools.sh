@@ -8,10 +8,17 @@
 #   Debian's golang-go.
 # - wrk, Debian's: closed loop only, in C, the lightest generator on shared
 #   cores.
+# - oha (crates.io), an open-loop generator in Rust that measures each
+#   latency from when its request was due (coordinated omission corrected),
+#   at 24 to 45 µs of CPU a page against vegeta's 76 to 121 (BENCHMARKS.md,
+#   section 28): the one that can offer 8,000 pages a second beside the
+#   stack on 2 cores. Built once with cargo (about five minutes) into
+#   ~/.cache/tally-tools.
 #
-#   scripts/bench-tools.sh vegeta|wrk   # prints the binary's path
+#   scripts/bench-tools.sh vegeta|wrk|oha   # prints the binary's path
 set -euo pipefail
 VEGETA_VERSION=v12.13.0
+OHA_VERSION=1.16.0
 TOOLS=${TALLY_TOOLS:-$HOME/.cache/tally-tools}
 
 go_binary() {
@@ -41,8 +48,16 @@ case "${1:-}" in
         fi
         command -v wrk
         ;;
+    oha)
+        bin="$TOOLS/oha-$OHA_VERSION/bin/oha"
+        if [ ! -x "$bin" ]; then
+            echo "[tools] building oha $OHA_VERSION (about five minutes)" >&2
+            cargo install --quiet --locked oha --version "$OHA_VERSION" --root "$TOOLS/oha-$OHA_VERSION" >&2
+        fi
+        echo "$bin"
+        ;;
     *)
-        echo "usage: scripts/bench-tools.sh vegeta|wrk" >&2
+        echo "usage: scripts/bench-tools.sh vegeta|wrk|oha" >&2
         exit 2
         ;;
 esac
