@@ -13,8 +13,9 @@
 //! scripts/stack.sh), so scripts/test.sh runs it on its own, after the other
 //! tests. Set TALLY_CHAOS_STACK_RESTARTS=0 to skip those faults.
 //!
-//! The other test here freezes the shared Kafka while a consumer stops; the
-//! two take turns (`SHARED_STACK`).
+//! The other two tests here freeze the shared Kafka while a consumer stops,
+//! and the shared Cassandra under one vote; the three take turns
+//! (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -799,5 +800,96 @@ async fn a_consumer_stopped_while_kafka_is_frozen_exits_within_its_bounds() {
     assert!(
         took < Duration::from_secs(25),
         "tally consumer took {took:?} to exit with Kafka frozen"
+    );
+}
+
+/// A vote that meets a Cassandra which stops answering (SIGSTOP: its
+/// connections stay open) with no other vote in its way is answered 503
+/// within the bound `tally vote` keeps on a vote (`cast::LONGEST_VOTE`),
+/// never 409: nothing raced it. Its retry with the same key after the thaw
+/// gets the vote's one answer, and the like is counted and served once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_its_retry_counts_once()
+ {
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let (_vote, app) = env
+        .spawn_vote_process(|_| {})
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut consumer = env.tally();
+    consumer
+        .arg("consumer")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let _consumer = Proc(consumer.spawn().unwrap_or_else(|e| panic!("{e}")));
+    // The process has used its connections once, so the freeze meets a
+    // session in use, not one being made.
+    let warm = app.vote("warm", support::new_key(), "t-warm", "like").await;
+    assert_eq!(warm.status, 200, "{}", warm.body);
+
+    let key = support::new_key();
+    let frozen = Frozen::freeze("cassandra");
+    let sent = Instant::now();
+    let caught = tokio::time::timeout(
+        Duration::from_secs(60),
+        app.vote("frozen-voter", &key, "t-frozen", "like"),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no answer 60 s into the freeze"));
+    let took = sent.elapsed();
+    drop(frozen);
+    eprintln!(
+        "a vote caught by the freeze was answered {} in {took:?}: {}",
+        caught.status, caught.body
+    );
+    assert_eq!(caught.status, 503, "{}", caught.body);
+    assert!(
+        ["unavailable", "outcome_unknown"].contains(&caught.code().as_str()),
+        "{}",
+        caught.body
+    );
+    assert!(
+        caught.headers.contains_key("Retry-After"),
+        "a 503 without Retry-After"
+    );
+    assert!(
+        took <= tally::cast::LONGEST_VOTE,
+        "answered after {took:?}, past the {:?} a vote may take",
+        tally::cast::LONGEST_VOTE
+    );
+
+    // After the thaw, the same key: one answer, however often it is asked.
+    let answered = eventually(
+        "the retry after the thaw to be answered 200",
+        Duration::from_secs(60),
+        || async {
+            let r = app.vote("frozen-voter", &key, "t-frozen", "like").await;
+            (r.status == 200).then_some(r)
+        },
+    )
+    .await;
+    let again = app.vote("frozen-voter", &key, "t-frozen", "like").await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.body, answered.body, "the key answered differently");
+    assert_eq!(answered.json()["user_state"], "like", "{}", answered.body);
+
+    // Counted once, durably and as served.
+    eventually(
+        "the like to be counted once and served",
+        Duration::from_secs(60),
+        || async {
+            let durable = env.stats().await.get("t-frozen").map(support::Tally::likes);
+            let page = app.summary("frozen-voter", "t-frozen").await;
+            let item = &page.json()["items"]["t-frozen"];
+            (durable == Some(1) && item["likes"] == 1 && item["user_state"] == "like").then_some(())
+        },
+    )
+    .await;
+    let recount = env.recount().await;
+    assert_eq!(
+        recount.get("t-frozen").map(support::Tally::likes),
+        Some(1),
+        "the row says otherwise"
     );
 }
