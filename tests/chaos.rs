@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::stack::{env_num, root};
-use support::{JWT_SECRET, Proc, Tally, TestEnv, Zipf, eventually, free_port, token};
+use support::{JWT_SECRET, Proc, Tally, TestEnv, Zipf, eventually, free_port};
 
 struct Services {
     env_vars: Vec<(String, String)>,
@@ -698,34 +698,11 @@ async fn served_until_true(
     base: &str,
     truth: &support::Tallies,
 ) -> Result<(), Vec<String>> {
-    let ids: Vec<&String> = truth.keys().collect();
     let polling = Instant::now();
     loop {
-        let mut mismatches = Vec::new();
-        for chunk in ids.chunks(100) {
-            let list = chunk
-                .iter()
-                .map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join(",");
-            let res = client
-                .get(format!("{base}/v1/votes/summary?target_ids={list}"))
-                .bearer_auth(token("checker"))
-                .send()
-                .await;
-            let body: serde_json::Value = match res {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(e) => panic!("summary failed: {e}"),
-            };
-            for t in chunk {
-                let truth = truth[*t].totals;
-                let item = &body["items"][t.as_str()];
-                if serde_json::from_value::<tally::domain::Totals>(item.clone()).ok() != Some(truth)
-                {
-                    mismatches.push(format!("{t}: served {item}, truth {truth}"));
-                }
-            }
-        }
+        let mismatches = support::served_mismatches(client, base, truth)
+            .await
+            .unwrap_or_else(|e| panic!("summary failed: {e}"));
         if mismatches.is_empty() {
             return Ok(());
         }

@@ -606,36 +606,15 @@ async fn a_cluster_under_node_kills_pauses_and_partitions_stays_linearizable_and
     let durable_converged_s = drained.elapsed().as_secs_f64();
 
     // --- what users see: the summary, cache included -------------------
-    let ids: Vec<&String> = truth.keys().collect();
     let served_since = Instant::now();
     eventually(
         "served totals to equal the recount",
         Duration::from_secs(30),
         || async {
-            for chunk in ids.chunks(100) {
-                let list = chunk
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",");
-                let body: serde_json::Value = client
-                    .get(format!("{}/v1/votes/summary?target_ids={list}", bases[0]))
-                    .bearer_auth(token("checker"))
-                    .send()
-                    .await
-                    .ok()?
-                    .json()
-                    .await
-                    .ok()?;
-                for t in chunk {
-                    let served: tally::domain::Totals =
-                        serde_json::from_value(body["items"][t.as_str()].clone()).ok()?;
-                    if served != truth[*t].totals {
-                        return None;
-                    }
-                }
-            }
-            Some(())
+            let mismatches = support::served_mismatches(&client, &bases[0], &truth)
+                .await
+                .ok()?;
+            mismatches.is_empty().then_some(())
         },
     )
     .await;

@@ -34,7 +34,7 @@ pub use env::{CLUSTER_HOSTS, TEST_BUCKETS, TEST_PARTITIONS, TestEnv, secure_vars
 pub use pipeline::RunningConsumer;
 pub use rng::{Rng, Zipf};
 pub use servers::{GatedLink, LateLink, PrivateRedis, Proc, SkewedLink, free_port, signal};
-pub use truth::{Tallies, Tally};
+pub use truth::{Tallies, Tally, served_mismatches};
 pub use writers::MoveFence;
 
 pub const JWT_SECRET: &str = "integration-test-secret-of-32-bytes-or-more";

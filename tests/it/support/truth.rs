@@ -181,3 +181,38 @@ impl TestEnv {
         consumer.stop().await;
     }
 }
+
+/// Every target of `truth` that `GET /v1/votes/summary` (the cache
+/// included) does not serve its totals for, as "id: served X, truth Y",
+/// read a page of 100 ids at a time by the user `checker`; the error of a
+/// page that got no JSON answer.
+pub async fn served_mismatches(
+    client: &reqwest::Client,
+    base: &str,
+    truth: &Tallies,
+) -> reqwest::Result<Vec<String>> {
+    let ids: Vec<&String> = truth.keys().collect();
+    let mut mismatches = Vec::new();
+    for chunk in ids.chunks(100) {
+        let list = chunk
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        let body: serde_json::Value = client
+            .get(format!("{base}/v1/votes/summary?target_ids={list}"))
+            .bearer_auth(super::token("checker"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        for t in chunk {
+            let want = truth[*t].totals;
+            let item = &body["items"][t.as_str()];
+            if serde_json::from_value::<Totals>(item.clone()).ok() != Some(want) {
+                mismatches.push(format!("{t}: served {item}, truth {want}"));
+            }
+        }
+    }
+    Ok(mismatches)
+}
