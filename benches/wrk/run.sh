@@ -105,8 +105,9 @@ THREADS=
 [ -n "$THREADS" ] && { python3 "$HERE/threads.py" snapshot "$CASSANDRA" >"$STATE/threads.before" || THREADS=; }
 # Time each process's threads spent runnable but waiting for a core
 # (/proc/PID/task/*/schedstat, ns): on shared cores, where a request's
-# latency goes beyond its CPU.
-waited() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $2} END {printf "%.0f", s / 1000}'; }
+# latency goes beyond its CPU. A thread that ends during the loop takes its
+# share with it, so this undercounts a process that retires threads.
+waited() { { cat /proc/"$1"/task/*/schedstat 2>/dev/null || true; } | awk '{s += $2} END {printf "%.0f", s / 1000}'; }
 w0=$(waited $PID); wc0=$(waited "$CASSANDRA"); wr0=$(waited "$REDIS")
 t0=$(cpu); c0=$(cpu "$CASSANDRA"); r0=$(cpu "$REDIS"); m0=$(busy); k0=$(cpu "$KAFKA"); n0=$(cpu "$COUNTER")
 if [ -n "$RATE" ]; then
