@@ -469,21 +469,7 @@ async fn chaos_run_loses_no_acknowledged_vote_and_reconcile_leaves_zero_drift() 
     // Cassandra may have restarted: a fresh session for the checker.
     env.reconnect().await;
     // Drain: the consumer catches up with everything that was published.
-    eventually(
-        "the consumer to drain",
-        Duration::from_secs(180),
-        || async {
-            let lag = tokio::task::spawn_blocking({
-                let (k, g) = (env.kafka.clone(), env.group.clone());
-                move || tally::bus::lag::group_lag(&k, &g)
-            })
-            .await
-            .ok()?
-            .ok()?;
-            lag.iter().all(|l| l.messages == 0).then_some(())
-        },
-    )
-    .await;
+    env.until_drained(Duration::from_secs(180)).await;
 
     // --- the checker ---------------------------------------------------
     // Before any reconcile, the durable totals converge to the recount of
@@ -910,17 +896,7 @@ async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_i
         },
     )
     .await;
-    eventually("the consumer to drain", Duration::from_secs(60), || async {
-        let lag = tokio::task::spawn_blocking({
-            let (k, g) = (env.kafka.clone(), env.group.clone());
-            move || tally::bus::lag::group_lag(&k, &g)
-        })
-        .await
-        .ok()?
-        .ok()?;
-        lag.iter().all(|l| l.messages == 0).then_some(())
-    })
-    .await;
+    env.until_drained(Duration::from_secs(60)).await;
     let durable = env.stats().await.get("t-frozen").map(support::Tally::likes);
     assert_eq!(
         durable,

@@ -30,6 +30,22 @@ impl RunningConsumer {
 }
 
 impl TestEnv {
+    /// Waits until this test's consumer group has counted everything on its
+    /// topic (its lag is 0 on every partition), for at most `within`.
+    pub async fn until_drained(&self, within: Duration) {
+        super::eventually("the consumer to drain", within, || async {
+            let lag = tokio::task::spawn_blocking({
+                let (k, g) = (self.kafka.clone(), self.group.clone());
+                move || tally::bus::lag::group_lag(&k, &g)
+            })
+            .await
+            .ok()?
+            .ok()?;
+            lag.iter().all(|l| l.messages == 0).then_some(())
+        })
+        .await;
+    }
+
     pub fn consumer_config(&self) -> tally::consumer::ConsumerConfig {
         tally::consumer::ConsumerConfig {
             group: self.group.clone(),
