@@ -881,18 +881,8 @@ async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_i
         "the relay to resolve every intent",
         Duration::from_secs(120),
         || async {
-            let rows: Vec<(Option<bool>,)> = env
-                .session
-                .query_unpaged("SELECT resolved FROM outbox_intents", ())
-                .await
-                .ok()?
-                .into_rows_result()
-                .ok()?
-                .rows::<(Option<bool>,)>()
-                .ok()?
-                .filter_map(Result::ok)
-                .collect();
-            rows.iter().all(|(r,)| *r == Some(true)).then_some(())
+            let intents = env.intents().await?;
+            intents.iter().all(|(_, r)| *r == Some(true)).then_some(())
         },
     )
     .await;

@@ -446,17 +446,7 @@ async fn votes_that_leave_nothing_to_publish_mark_their_intents_so_the_relay_ski
     // Four requests, four intents: the change's is marked once Kafka has the
     // transition, the others as soon as their answers are known.
     eventually("every intent marked", Duration::from_secs(30), || async {
-        let rows: Vec<(String, Option<bool>)> = env
-            .session
-            .query_unpaged("SELECT idem_key, resolved FROM outbox_intents", ())
-            .await
-            .ok()?
-            .into_rows_result()
-            .ok()?
-            .rows::<(String, Option<bool>)>()
-            .ok()?
-            .filter_map(Result::ok)
-            .collect();
+        let rows = env.intents().await?;
         (rows.len() == 4 && rows.iter().all(|(_, r)| *r == Some(true))).then_some(())
     })
     .await;

@@ -46,6 +46,23 @@ impl TestEnv {
         .await;
     }
 
+    /// Every outbox intent of this test's keyspace, by its key, with whether
+    /// it is marked resolved; `None` while Cassandra does not answer.
+    pub async fn intents(&self) -> Option<Vec<(String, Option<bool>)>> {
+        Some(
+            self.session
+                .query_unpaged("SELECT idem_key, resolved FROM outbox_intents", ())
+                .await
+                .ok()?
+                .into_rows_result()
+                .ok()?
+                .rows::<(String, Option<bool>)>()
+                .ok()?
+                .filter_map(Result::ok)
+                .collect(),
+        )
+    }
+
     pub fn consumer_config(&self) -> tally::consumer::ConsumerConfig {
         tally::consumer::ConsumerConfig {
             group: self.group.clone(),
