@@ -63,12 +63,22 @@ const FILL_TRIES: usize = 3;
 
 impl Counts {
     pub fn new(cache: Cache, store: Arc<Store>) -> Counts {
+        Counts::with_miss_reads(cache, store, MISS_READS)
+    }
+
+    /// At most `miss_reads` Cassandra reads for misses at once.
+    pub fn with_miss_reads(cache: Cache, store: Arc<Store>, miss_reads: usize) -> Counts {
         Counts {
             cache,
             store,
-            misses: Arc::new(tokio::sync::Semaphore::new(MISS_READS)),
+            misses: Arc::new(tokio::sync::Semaphore::new(miss_reads)),
             flights: Arc::default(),
         }
+    }
+
+    /// Slots for miss reads not taken at the moment.
+    pub fn idle_miss_reads(&self) -> usize {
+        self.misses.available_permits()
     }
 
     /// The same counts over other clients (an HTTP worker's own), under the
@@ -167,9 +177,13 @@ impl Counts {
                     metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "joined").increment(1);
                     Ok(served)
                 }
-                // That fill failed, was cut short, or found the entry
-                // dropped: read on this miss's own.
-                Err(_) => Ok(self.fill_alone(target, fence).await?.0),
+                // That fill failed, was cut short, found the entry dropped
+                // or found it filled: look again, then read on this miss's
+                // own.
+                Err(_) => match self.filled_meanwhile(target).await {
+                    Some(served) => Ok(served),
+                    None => Ok(self.fill_alone(target, fence).await?.0),
+                },
             },
             Turn::Alone => Ok(self.fill_alone(target, fence).await?.0),
             Turn::Lead(landed) => {
@@ -187,13 +201,29 @@ impl Counts {
     }
 
     /// A fill of this miss's own: what it serves, and whether that is what
-    /// the entry holds (the fence held).
+    /// the entry holds (the fence held). A miss that had to wait for a slot
+    /// looks in the cache again first: in a flood of misses (Redis restarted
+    /// empty, a cold page everyone opens) another page, here or in another
+    /// process, has often filled the entry meanwhile, and that answer is as
+    /// good as a hit. It is not passed to the misses that joined this one:
+    /// the entry may expire after this look, and a miss that finds it empty
+    /// then would be handed a value older than its lookup. They look again
+    /// themselves.
     async fn fill_alone(
         &self,
         target: &TargetId,
         fence: &Fence,
     ) -> Result<(Totals, bool), StoreError> {
-        let heads = self.read_heads(target).await?;
+        let heads = match self.misses.try_acquire() {
+            Ok(_turn) => self.durable_heads(target).await?,
+            Err(_) => {
+                let _turn = self.misses.acquire().await;
+                if let Some(served) = self.filled_meanwhile(target).await {
+                    return Ok((served, false));
+                }
+                self.durable_heads(target).await?
+            }
+        };
         match self.cache.fill(target, fence, &heads).await {
             Ok(Some(served)) => Ok((served, true)),
             Ok(None) => {
@@ -203,6 +233,20 @@ impl Counts {
             }
             Err(_) => Ok((heads.totals(), false)),
         }
+    }
+
+    /// The entry's value, if a fill or a vote put one there since this
+    /// miss's lookup; `None` if it is still empty or Redis did not answer.
+    async fn filled_meanwhile(&self, target: &TargetId) -> Option<Totals> {
+        let found = self
+            .cache
+            .get_many(std::slice::from_ref(target))
+            .await
+            .ok()?
+            .pop()
+            .flatten()?;
+        metrics::counter!(crate::metrics::CACHE_FILLS, "read" => "cache").increment(1);
+        Some(found)
     }
 
     /// The durable heads, under the process's limit on miss reads.

@@ -169,7 +169,7 @@ fn describe() {
     );
     describe_counter!(
         CACHE_FILLS,
-        "cache misses filled by what was read (registry: nobody reacted yet; buckets; joined: a fill of the same entry in flight, nothing read)"
+        "cache misses filled by what was read (registry: nobody reacted yet; buckets; joined: a fill of the same entry in flight, nothing read; cache: the entry, filled while the miss waited)"
     );
     describe_counter!(
         CACHE_FILLS_FENCED,

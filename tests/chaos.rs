@@ -13,9 +13,9 @@
 //! scripts/stack.sh), so scripts/test.sh runs it on its own, after the other
 //! tests. Set TALLY_CHAOS_STACK_RESTARTS=0 to skip those faults.
 //!
-//! The other two tests here freeze the shared Kafka while a consumer stops,
-//! and the shared Cassandra under one vote; the three take turns
-//! (`SHARED_STACK`).
+//! The other tests here freeze the shared Kafka while a consumer stops, and
+//! the shared Cassandra under one vote and under a miss holding the one
+//! slot another miss waits for; they take turns (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -75,7 +75,7 @@ impl Services {
     }
 }
 
-/// Both tests fault the shared stack: they run one after the other.
+/// The tests fault the shared stack: they run one after the other.
 static SHARED_STACK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn stack(args: &[&str]) {
@@ -906,4 +906,106 @@ async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_i
         Some(1),
         "the row says otherwise"
     );
+}
+
+/// A miss that had to wait for one of the process's miss-read slots looks
+/// in the cache again before it reads Cassandra: in a flood of misses
+/// another page has often filled its entry meanwhile. Here the one slot is
+/// held by a miss caught by a frozen Cassandra, and the waiting miss's
+/// entry is filled while it waits; once the slot is free, it is served that
+/// entry with Cassandra still frozen, where a read would hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile() {
+    use tally::cache::Cache;
+    use tally::domain::{Reaction, TargetId, Totals};
+    use tally::store::stats::{Head, Heads};
+
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
+    let cache = Cache::new(&env.redis, Duration::from_secs(60)).unwrap_or_else(|e| fail(&e));
+    let store = Arc::new(
+        tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| fail(&e)),
+    );
+    let counts = tally::counts::Counts::with_miss_reads(cache.clone(), store.clone(), 1);
+    let id = |s: &str| TargetId::parse(s).unwrap_or_else(|e| fail(&e));
+    let (held, waiting) = (id("t-held"), id("t-waiting"));
+    // Read once, so the freeze meets a session in use.
+    counts.get(&id("t-warm")).await.unwrap_or_else(|e| fail(&e));
+
+    let frozen = Frozen::freeze("cassandra");
+    let holder = tokio::spawn({
+        let (counts, held) = (counts.clone(), held.clone());
+        async move { counts.get(&held).await }
+    });
+    eventually(
+        "the first miss to take the one slot",
+        Duration::from_secs(30),
+        || async { (counts.idle_miss_reads() == 0).then_some(()) },
+    )
+    .await;
+    let waiter = tokio::spawn({
+        let (counts, waiting) = (counts.clone(), waiting.clone());
+        async move { counts.get(&waiting).await }
+    });
+    // Armed, so past its lookup, which found the entry empty.
+    let redis = redis::Client::open(env.redis.url.as_str())
+        .unwrap_or_else(|e| fail(&e))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| fail(&e));
+    let key = format!("{}:d:t-waiting", env.redis.prefix);
+    eventually(
+        "the second miss to arm its entry",
+        Duration::from_secs(30),
+        || {
+            let (mut redis, key) = (redis.clone(), key.clone());
+            async move {
+                let armed: bool = redis::cmd("HEXISTS")
+                    .arg(&key)
+                    .arg("g")
+                    .query_async(&mut redis)
+                    .await
+                    .ok()?;
+                armed.then_some(())
+            }
+        },
+    )
+    .await;
+    // Another page's fill, as the heads three likes in: a value only the
+    // entry holds (the bucket's rows say nothing).
+    let fence = cache
+        .arm_many(&[&waiting])
+        .await
+        .unwrap_or_else(|e| fail(&e))
+        .remove(0);
+    let three = Totals::count([Reaction::Like; 3]);
+    let mut heads = Heads::empty(store.layout);
+    heads.0[0] = Head {
+        seq: Some(1),
+        totals: three,
+        target_type: None,
+    };
+    let filled = cache
+        .fill(&waiting, &fence, &heads)
+        .await
+        .unwrap_or_else(|e| fail(&e));
+    assert_eq!(filled, Some(three), "the other page's fill did not land");
+    assert!(
+        !waiter.is_finished(),
+        "the second miss was answered while the one slot was held"
+    );
+
+    // Its client gone, the first miss frees the slot; Cassandra stays frozen.
+    holder.abort();
+    let served = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap_or_else(|_| panic!("the second miss read Cassandra (frozen) instead of the entry"))
+        .unwrap_or_else(|e| fail(&e))
+        .unwrap_or_else(|e| fail(&e));
+    drop(frozen);
+    assert_eq!(served, three, "served other than the entry");
+    assert_eq!(counts.idle_miss_reads(), 1, "the slot was not given back");
 }

@@ -174,5 +174,5 @@ if [ -n "$THREADS" ]; then
     echo "Cassandra's CPU by kind of thread:"
     python3 "$HERE/threads.py" diff "$STATE/threads.before" "$STATE/threads.after" "$requests" || true
 fi
-# What the API saw: its Paxos outcomes and its admission, to explain a figure.
-curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true
+# What the API saw: its cache's lookups and fills, its Paxos outcomes and its admission, to explain a figure.
+curl -sf http://127.0.0.1:19090/metrics | grep -E '^tally_(cache_fills_total|cache_lookups_total|cas_total|admission_limit|admission_refused_total|admission_refusals_paced_total)' || true

@@ -2059,6 +2059,7 @@ async fn pages_that_miss_one_entry_together_read_its_heads_once_and_serve_the_tr
     let after = metrics().await;
     let read = fills(&after, "buckets") - fills(&before, "buckets");
     let joined = fills(&after, "joined") - fills(&before, "joined");
+    let looked_again = fills(&after, "cache") - fills(&before, "cache");
     assert_eq!(misses(&after) - misses(&before), PAGES as f64);
     // The pages wake together when the gate opens: one read, and a
     // straggler or two, is what sharing allows. Without it, every page
@@ -2067,7 +2068,7 @@ async fn pages_that_miss_one_entry_together_read_its_heads_once_and_serve_the_tr
         read <= 4.0,
         "{read} reads of the heads for {PAGES} pages that missed together ({joined} joined)"
     );
-    assert_eq!(read + joined, PAGES as f64);
+    assert_eq!(read + joined + looked_again, PAGES as f64);
     Ok(())
 }
 
