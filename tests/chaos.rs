@@ -14,8 +14,9 @@
 //! tests. Set TALLY_CHAOS_STACK_RESTARTS=0 to skip those faults.
 //!
 //! The other tests here freeze the shared Kafka while a consumer stops, and
-//! the shared Cassandra under one vote and under a miss holding the one
-//! slot another miss waits for; they take turns (`SHARED_STACK`).
+//! the shared Cassandra under one vote and under cache misses (one holding
+//! the slot another waits for, one whose fill is cut short under a miss
+//! that joined it); they take turns (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -1008,4 +1009,105 @@ async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile
     drop(frozen);
     assert_eq!(served, three, "served other than the entry");
     assert_eq!(counts.idle_miss_reads(), 1, "the slot was not given back");
+}
+
+/// A miss that joined the fill of another miss is answered when that fill
+/// is cut short (its page's client hung up, and the request was dropped):
+/// it looks in the cache, finds the entry still empty, and reads on its
+/// own. Cassandra is frozen so that the first fill is still reading when
+/// the second miss joins it and when it is dropped; the second is answered
+/// after the thaw and fills the entry, and no slot is left taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
+    use tally::cache::Cache;
+    use tally::domain::{TargetId, Totals};
+
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
+    let cache = Cache::new(&env.redis, Duration::from_secs(60)).unwrap_or_else(|e| fail(&e));
+    let store = Arc::new(
+        tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| fail(&e)),
+    );
+    let counts = tally::counts::Counts::new(cache.clone(), store.clone());
+    let slots = counts.idle_miss_reads();
+    let id = |s: &str| TargetId::parse(s).unwrap_or_else(|e| fail(&e));
+    let shared = id("t-shared");
+    counts.get(&id("t-warm")).await.unwrap_or_else(|e| fail(&e));
+    let redis = redis::Client::open(env.redis.url.as_str())
+        .unwrap_or_else(|e| fail(&e))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| fail(&e));
+    // Each miss arms its entry's fence with one HSETNX; this test's misses
+    // are the only ones on the shared Redis while it holds its turn.
+    let arms = || {
+        let mut redis = redis.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut redis)
+                .await
+                .unwrap_or_else(|e| fail(&e));
+            info.lines()
+                .find_map(|l| l.strip_prefix("cmdstat_hsetnx:calls="))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse::<u64>().unwrap_or(0))
+        }
+    };
+    let before = arms().await;
+
+    let frozen = Frozen::freeze("cassandra");
+    let first = tokio::spawn({
+        let (counts, shared) = (counts.clone(), shared.clone());
+        async move { counts.get(&shared).await }
+    });
+    // Its flight is in the map before it takes a slot.
+    eventually(
+        "the first miss to arm and take a slot",
+        Duration::from_secs(30),
+        || async { (arms().await > before && counts.idle_miss_reads() < slots).then_some(()) },
+    )
+    .await;
+    let second = tokio::spawn({
+        let (counts, shared) = (counts.clone(), shared.clone());
+        async move { counts.get(&shared).await }
+    });
+    // Armed with the same fence, so it joins the first's fill.
+    eventually(
+        "the second miss to arm",
+        Duration::from_secs(30),
+        || async { (arms().await >= before + 2).then_some(()) },
+    )
+    .await;
+    first.abort();
+    let cut = first.await;
+    assert!(
+        cut.as_ref().is_err_and(|e| e.is_cancelled()),
+        "the first fill was not cut short: {cut:?}"
+    );
+    assert!(
+        !second.is_finished(),
+        "the second miss was answered with Cassandra frozen"
+    );
+    drop(frozen);
+
+    let served = tokio::time::timeout(Duration::from_secs(60), second)
+        .await
+        .unwrap_or_else(|_| panic!("the second miss was not answered 60 s after the thaw"))
+        .unwrap_or_else(|e| fail(&e))
+        .unwrap_or_else(|e| fail(&e));
+    assert_eq!(served, Totals::default(), "nobody has reacted to t-shared");
+    let entry = cache
+        .get_many(std::slice::from_ref(&shared))
+        .await
+        .unwrap_or_else(|e| fail(&e));
+    assert_eq!(
+        entry,
+        vec![Some(Totals::default())],
+        "the second miss did not fill the entry"
+    );
+    assert_eq!(counts.idle_miss_reads(), slots, "a slot was left taken");
 }
