@@ -917,70 +917,23 @@ async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_i
 /// entry with Cassandra still frozen, where a read would hang.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile() {
-    use tally::cache::Cache;
-    use tally::domain::{Reaction, TargetId, Totals};
+    use tally::domain::{Reaction, Totals};
     use tally::store::stats::{Head, Heads};
 
     let _turn = SHARED_STACK.lock().await;
     let env = TestEnv::new().await;
-    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
-    let cache = Cache::new(&env.redis, Duration::from_secs(60)).unwrap_or_else(|e| fail(&e));
-    let store = Arc::new(
-        tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
-            .await
-            .unwrap_or_else(|e| fail(&e)),
-    );
-    let counts = tally::counts::Counts::with_miss_reads(cache.clone(), store.clone(), 1);
-    let id = |s: &str| TargetId::parse(s).unwrap_or_else(|e| fail(&e));
-    let (held, waiting) = (id("t-held"), id("t-waiting"));
-    // Read once, so the freeze meets a session in use.
-    counts.get(&id("t-warm")).await.unwrap_or_else(|e| fail(&e));
+    let rig = Misses::new(&env, 1).await;
+    let (cache, store, counts) = (&rig.cache, &rig.store, &rig.counts);
+    let waiting = target("t-waiting");
 
     let frozen = Frozen::freeze("cassandra");
-    let holder = tokio::spawn({
-        let (counts, held) = (counts.clone(), held.clone());
-        async move { counts.get(&held).await }
-    });
-    eventually(
-        "the first miss to take the one slot",
-        Duration::from_secs(30),
-        || async { (counts.idle_miss_reads() == 0).then_some(()) },
-    )
-    .await;
-    let waiter = tokio::spawn({
-        let (counts, waiting) = (counts.clone(), waiting.clone());
-        async move { counts.get(&waiting).await }
-    });
-    // Armed, so past its lookup, which found the entry empty.
-    let redis = redis::Client::open(env.redis.url.as_str())
-        .unwrap_or_else(|e| fail(&e))
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap_or_else(|e| fail(&e));
-    let key = format!("{}:d:t-waiting", env.redis.prefix);
-    eventually(
-        "the second miss to arm its entry",
-        Duration::from_secs(30),
-        || {
-            let (mut redis, key) = (redis.clone(), key.clone());
-            async move {
-                let armed: bool = redis::cmd("HEXISTS")
-                    .arg(&key)
-                    .arg("g")
-                    .query_async(&mut redis)
-                    .await
-                    .ok()?;
-                armed.then_some(())
-            }
-        },
-    )
-    .await;
+    let (holder, waiter) = rig.one_behind_another("t-held", "t-waiting").await;
     // Another page's fill, as the heads three likes in: a value only the
     // entry holds (the bucket's rows say nothing).
     let fence = cache
         .arm_many(&[&waiting])
         .await
-        .unwrap_or_else(|e| fail(&e))
+        .unwrap_or_else(|e| panic!("{e}"))
         .remove(0);
     let three = Totals::count([Reaction::Like; 3]);
     let mut heads = Heads::empty(store.layout);
@@ -992,7 +945,7 @@ async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile
     let filled = cache
         .fill(&waiting, &fence, &heads)
         .await
-        .unwrap_or_else(|e| fail(&e));
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(filled, Some(three), "the other page's fill did not land");
     assert!(
         !waiter.is_finished(),
@@ -1004,8 +957,8 @@ async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile
     let served = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
         .unwrap_or_else(|_| panic!("the second miss read Cassandra (frozen) instead of the entry"))
-        .unwrap_or_else(|e| fail(&e))
-        .unwrap_or_else(|e| fail(&e));
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
     drop(frozen);
     assert_eq!(served, three, "served other than the entry");
     assert_eq!(counts.idle_miss_reads(), 1, "the slot was not given back");
@@ -1019,69 +972,18 @@ async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile
 /// after the thaw and fills the entry, and no slot is left taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
-    use tally::cache::Cache;
-    use tally::domain::{TargetId, Totals};
+    use tally::domain::Totals;
 
     let _turn = SHARED_STACK.lock().await;
     let env = TestEnv::new().await;
-    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
-    let cache = Cache::new(&env.redis, Duration::from_secs(60)).unwrap_or_else(|e| fail(&e));
-    let store = Arc::new(
-        tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
-            .await
-            .unwrap_or_else(|e| fail(&e)),
-    );
-    let counts = tally::counts::Counts::new(cache.clone(), store.clone());
+    let rig = Misses::new(&env, tally::counts::MISS_READS).await;
+    let (cache, counts) = (&rig.cache, &rig.counts);
     let slots = counts.idle_miss_reads();
-    let id = |s: &str| TargetId::parse(s).unwrap_or_else(|e| fail(&e));
-    let shared = id("t-shared");
-    counts.get(&id("t-warm")).await.unwrap_or_else(|e| fail(&e));
-    let redis = redis::Client::open(env.redis.url.as_str())
-        .unwrap_or_else(|e| fail(&e))
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap_or_else(|e| fail(&e));
-    // Each miss arms its entry's fence with one HSETNX; this test's misses
-    // are the only ones on the shared Redis while it holds its turn.
-    let arms = || {
-        let mut redis = redis.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut redis)
-                .await
-                .unwrap_or_else(|e| fail(&e));
-            info.lines()
-                .find_map(|l| l.strip_prefix("cmdstat_hsetnx:calls="))
-                .and_then(|rest| rest.split(',').next())
-                .map_or(0, |n| n.parse::<u64>().unwrap_or(0))
-        }
-    };
-    let before = arms().await;
+    let shared = target("t-shared");
 
     let frozen = Frozen::freeze("cassandra");
-    let first = tokio::spawn({
-        let (counts, shared) = (counts.clone(), shared.clone());
-        async move { counts.get(&shared).await }
-    });
-    // Its flight is in the map before it takes a slot.
-    eventually(
-        "the first miss to arm and take a slot",
-        Duration::from_secs(30),
-        || async { (arms().await > before && counts.idle_miss_reads() < slots).then_some(()) },
-    )
-    .await;
-    let second = tokio::spawn({
-        let (counts, shared) = (counts.clone(), shared.clone());
-        async move { counts.get(&shared).await }
-    });
-    // Armed with the same fence, so it joins the first's fill.
-    eventually(
-        "the second miss to arm",
-        Duration::from_secs(30),
-        || async { (arms().await >= before + 2).then_some(()) },
-    )
-    .await;
+    // Armed with the same fence, the second joins the first's fill.
+    let (first, second) = rig.one_behind_another("t-shared", "t-shared").await;
     first.abort();
     let cut = first.await;
     assert!(
@@ -1097,17 +999,115 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
     let served = tokio::time::timeout(Duration::from_secs(60), second)
         .await
         .unwrap_or_else(|_| panic!("the second miss was not answered 60 s after the thaw"))
-        .unwrap_or_else(|e| fail(&e))
-        .unwrap_or_else(|e| fail(&e));
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(served, Totals::default(), "nobody has reacted to t-shared");
     let entry = cache
         .get_many(std::slice::from_ref(&shared))
         .await
-        .unwrap_or_else(|e| fail(&e));
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         entry,
         vec![Some(Totals::default())],
         "the second miss did not fill the entry"
     );
     assert_eq!(counts.idle_miss_reads(), slots, "a slot was left taken");
+}
+
+fn target(id: &str) -> tally::domain::TargetId {
+    tally::domain::TargetId::parse(id).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// What the tests of misses under a frozen Cassandra share: the test's
+/// cache and store, its counts with `slots` miss reads, read once so that a
+/// freeze meets a session in use, and a connection to the shared Redis.
+struct Misses {
+    cache: tally::cache::Cache,
+    store: Arc<tally::store::Store>,
+    counts: tally::counts::Counts,
+    redis: redis::aio::MultiplexedConnection,
+}
+
+impl Misses {
+    async fn new(env: &TestEnv, slots: usize) -> Misses {
+        let cache = tally::cache::Cache::new(&env.redis, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let store = Arc::new(
+            tally::store::Store::open(&env.cassandra, Duration::from_secs(60))
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+        let counts = tally::counts::Counts::with_miss_reads(cache.clone(), store.clone(), slots);
+        counts
+            .get(&target("t-warm"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let redis = redis::Client::open(env.redis.url.as_str())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        Misses {
+            cache,
+            store,
+            counts,
+            redis,
+        }
+    }
+
+    /// A page's read of one target's totals, in a task of its own.
+    fn get(
+        &self,
+        id: &str,
+    ) -> tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>> {
+        let (counts, id) = (self.counts.clone(), target(id));
+        tokio::spawn(async move { counts.get(&id).await })
+    }
+
+    /// Two misses in turn: the first armed (its fill in flight, if it
+    /// leads one, is in the map before it takes a slot) and holding a slot,
+    /// then the second armed, so past its lookup, which found its entry
+    /// empty.
+    async fn one_behind_another(
+        &self,
+        first: &str,
+        second: &str,
+    ) -> (
+        tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>,
+        tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>,
+    ) {
+        let (arms, slots) = (self.arms().await, self.counts.idle_miss_reads());
+        let first = self.get(first);
+        eventually(
+            "the first miss to arm and take a slot",
+            Duration::from_secs(30),
+            || async {
+                (self.arms().await > arms && self.counts.idle_miss_reads() < slots).then_some(())
+            },
+        )
+        .await;
+        let second = self.get(second);
+        eventually(
+            "the second miss to arm",
+            Duration::from_secs(30),
+            || async { (self.arms().await >= arms + 2).then_some(()) },
+        )
+        .await;
+        (first, second)
+    }
+
+    /// Fences armed so far on the shared Redis: each miss arms its entry's
+    /// with one HSETNX, and these tests' misses are the only ones there
+    /// while they hold their turn.
+    async fn arms(&self) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.redis.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_hsetnx:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse::<u64>().unwrap_or(0))
+    }
 }
