@@ -15,8 +15,8 @@
 //!
 //! The other tests here freeze the shared Kafka while a consumer stops, and
 //! the shared Cassandra under one vote and under cache misses (one holding
-//! the slot another waits for, one whose fill is cut short under a miss
-//! that joined it); they take turns (`SHARED_STACK`).
+//! the slot another waits for, one whose fill is cut short or fenced off
+//! under a miss that joined it); they take turns (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -954,11 +954,12 @@ async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile
 
     // Its client gone, the first miss frees the slot; Cassandra stays frozen.
     holder.abort();
-    let served = tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .unwrap_or_else(|_| panic!("the second miss read Cassandra (frozen) instead of the entry"))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let served = answered(
+        waiter,
+        Duration::from_secs(5),
+        "the second miss read Cassandra (frozen) instead of the entry",
+    )
+    .await;
     drop(frozen);
     assert_eq!(served, three, "served other than the entry");
     assert_eq!(counts.idle_miss_reads(), 1, "the slot was not given back");
@@ -996,11 +997,7 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
     );
     drop(frozen);
 
-    let served = tokio::time::timeout(Duration::from_secs(60), second)
-        .await
-        .unwrap_or_else(|_| panic!("the second miss was not answered 60 s after the thaw"))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let served = answered(second, AFTER_THE_THAW, "the second miss after the thaw").await;
     assert_eq!(served, Totals::default(), "nobody has reacted to t-shared");
     let entry = cache
         .get_many(std::slice::from_ref(&shared))
@@ -1012,6 +1009,86 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
         "the second miss did not fill the entry"
     );
     assert_eq!(counts.idle_miss_reads(), slots, "a slot was left taken");
+}
+
+/// A fill that finds its entry dropped while it read does not land, and its
+/// answer, read before the drop, is not handed to the miss that joined it:
+/// that miss looks in the cache again and is served what was filled there
+/// after the drop. Cassandra is frozen so that the drop and the later fill
+/// come while the first fill is still reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_fenced_off_by_a_drop_is_not_handed_to_the_miss_that_joined_it() {
+    use tally::domain::{Reaction, Totals};
+    use tally::store::stats::{Head, Heads};
+
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let rig = Misses::new(&env, tally::counts::MISS_READS).await;
+    let (cache, store) = (&rig.cache, &rig.store);
+    let dropped = target("t-dropped");
+
+    let frozen = Frozen::freeze("cassandra");
+    let (first, second) = rig.one_behind_another("t-dropped", "t-dropped").await;
+    // A drop, then a fill after it (as another process's page would make)
+    // of heads that count a like the first fill's read predates.
+    cache
+        .invalidate(&dropped)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fence = cache
+        .arm_many(&[&dropped])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .remove(0);
+    let one = Totals::count([Reaction::Like]);
+    let mut heads = Heads::empty(store.layout);
+    heads.0[0] = Head {
+        seq: Some(1),
+        totals: one,
+        target_type: None,
+    };
+    let filled = cache
+        .fill(&dropped, &fence, &heads)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(filled, Some(one), "the fill after the drop did not land");
+    drop(frozen);
+
+    assert_eq!(
+        answered(first, AFTER_THE_THAW, "the first miss after the thaw").await,
+        Totals::default(),
+        "the first miss serves what it read, before the drop"
+    );
+    assert_eq!(
+        answered(second, AFTER_THE_THAW, "the joined miss after the thaw").await,
+        one,
+        "the joined miss was handed a fill that did not land"
+    );
+    let entry = cache
+        .get_many(std::slice::from_ref(&dropped))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        entry,
+        vec![Some(one)],
+        "a fill armed before the drop landed"
+    );
+}
+
+/// A page's read of one target's totals, in a task of its own.
+type Miss = tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>;
+
+/// How long a miss caught by a freeze may take once Cassandra is thawed.
+const AFTER_THE_THAW: Duration = Duration::from_secs(60);
+
+/// What `miss` served, within `within`; `what` names it if it failed or
+/// took longer.
+async fn answered(miss: Miss, within: Duration, what: &str) -> tally::domain::Totals {
+    tokio::time::timeout(within, miss)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not answered within {within:?}"))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
 fn target(id: &str) -> tally::domain::TargetId {
@@ -1055,11 +1132,7 @@ impl Misses {
         }
     }
 
-    /// A page's read of one target's totals, in a task of its own.
-    fn get(
-        &self,
-        id: &str,
-    ) -> tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>> {
+    fn get(&self, id: &str) -> Miss {
         let (counts, id) = (self.counts.clone(), target(id));
         tokio::spawn(async move { counts.get(&id).await })
     }
@@ -1068,14 +1141,7 @@ impl Misses {
     /// leads one, is in the map before it takes a slot) and holding a slot,
     /// then the second armed, so past its lookup, which found its entry
     /// empty.
-    async fn one_behind_another(
-        &self,
-        first: &str,
-        second: &str,
-    ) -> (
-        tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>,
-        tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>,
-    ) {
+    async fn one_behind_another(&self, first: &str, second: &str) -> (Miss, Miss) {
         let (arms, slots) = (self.arms().await, self.counts.idle_miss_reads());
         let first = self.get(first);
         eventually(
