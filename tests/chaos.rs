@@ -918,35 +918,18 @@ async fn a_vote_caught_by_a_frozen_cassandra_is_unavailable_not_a_conflict_and_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_miss_that_waited_for_a_read_slot_is_served_the_entry_filled_meanwhile() {
     use tally::domain::{Reaction, Totals};
-    use tally::store::stats::{Head, Heads};
 
     let _turn = SHARED_STACK.lock().await;
     let env = TestEnv::new().await;
     let rig = Misses::new(&env, 1).await;
-    let (cache, store, counts) = (&rig.cache, &rig.store, &rig.counts);
-    let waiting = target("t-waiting");
+    let counts = &rig.counts;
 
     let frozen = Frozen::freeze("cassandra");
     let (holder, waiter) = rig.one_behind_another("t-held", "t-waiting").await;
-    // Another page's fill, as the heads three likes in: a value only the
-    // entry holds (the bucket's rows say nothing).
-    let fence = cache
-        .arm_many(&[&waiting])
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .remove(0);
+    // Another page's fill, of three likes: a value only the entry holds
+    // (the bucket's rows say nothing).
     let three = Totals::count([Reaction::Like; 3]);
-    let mut heads = Heads::empty(store.layout);
-    heads.0[0] = Head {
-        seq: Some(1),
-        totals: three,
-        target_type: None,
-    };
-    let filled = cache
-        .fill(&waiting, &fence, &heads)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(filled, Some(three), "the other page's fill did not land");
+    rig.fill_as_another_page("t-waiting", three).await;
     assert!(
         !waiter.is_finished(),
         "the second miss was answered while the one slot was held"
@@ -978,9 +961,8 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
     let _turn = SHARED_STACK.lock().await;
     let env = TestEnv::new().await;
     let rig = Misses::new(&env, tally::counts::MISS_READS).await;
-    let (cache, counts) = (&rig.cache, &rig.counts);
+    let counts = &rig.counts;
     let slots = counts.idle_miss_reads();
-    let shared = target("t-shared");
 
     let frozen = Frozen::freeze("cassandra");
     // Armed with the same fence, the second joins the first's fill.
@@ -999,13 +981,9 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
 
     let served = answered(second, AFTER_THE_THAW, "the second miss after the thaw").await;
     assert_eq!(served, Totals::default(), "nobody has reacted to t-shared");
-    let entry = cache
-        .get_many(std::slice::from_ref(&shared))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        entry,
-        vec![Some(Totals::default())],
+        rig.entry("t-shared").await,
+        Some(Totals::default()),
         "the second miss did not fill the entry"
     );
     assert_eq!(counts.idle_miss_reads(), slots, "a slot was left taken");
@@ -1019,12 +997,11 @@ async fn a_miss_that_joined_a_fill_cut_short_reads_on_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_fenced_off_by_a_drop_is_not_handed_to_the_miss_that_joined_it() {
     use tally::domain::{Reaction, Totals};
-    use tally::store::stats::{Head, Heads};
 
     let _turn = SHARED_STACK.lock().await;
     let env = TestEnv::new().await;
     let rig = Misses::new(&env, tally::counts::MISS_READS).await;
-    let (cache, store) = (&rig.cache, &rig.store);
+    let cache = &rig.cache;
     let dropped = target("t-dropped");
 
     let frozen = Frozen::freeze("cassandra");
@@ -1035,23 +1012,8 @@ async fn a_fill_fenced_off_by_a_drop_is_not_handed_to_the_miss_that_joined_it() 
         .invalidate(&dropped)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let fence = cache
-        .arm_many(&[&dropped])
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .remove(0);
     let one = Totals::count([Reaction::Like]);
-    let mut heads = Heads::empty(store.layout);
-    heads.0[0] = Head {
-        seq: Some(1),
-        totals: one,
-        target_type: None,
-    };
-    let filled = cache
-        .fill(&dropped, &fence, &heads)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(filled, Some(one), "the fill after the drop did not land");
+    rig.fill_as_another_page("t-dropped", one).await;
     drop(frozen);
 
     assert_eq!(
@@ -1064,13 +1026,9 @@ async fn a_fill_fenced_off_by_a_drop_is_not_handed_to_the_miss_that_joined_it() 
         one,
         "the joined miss was handed a fill that did not land"
     );
-    let entry = cache
-        .get_many(std::slice::from_ref(&dropped))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        entry,
-        vec![Some(one)],
+        rig.entry("t-dropped").await,
+        Some(one),
         "a fill armed before the drop landed"
     );
 }
@@ -1160,6 +1118,45 @@ impl Misses {
         )
         .await;
         (first, second)
+    }
+
+    /// Fills `id`'s entry under its fence, as another page (of this process
+    /// or another) would, from heads whose first bucket holds `totals`.
+    async fn fill_as_another_page(&self, id: &str, totals: tally::domain::Totals) {
+        use tally::store::stats::{Head, Heads};
+        let id = target(id);
+        let fence = self
+            .cache
+            .arm_many(&[&id])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .remove(0);
+        let mut heads = Heads::empty(self.store.layout);
+        heads.0[0] = Head {
+            seq: Some(1),
+            totals,
+            target_type: None,
+        };
+        let filled = self
+            .cache
+            .fill(&id, &fence, &heads)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            filled,
+            Some(totals),
+            "another page's fill of {id} did not land"
+        );
+    }
+
+    /// What `id`'s entry serves now.
+    async fn entry(&self, id: &str) -> Option<tally::domain::Totals> {
+        self.cache
+            .get_many(&[target(id)])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .pop()
+            .flatten()
     }
 
     /// Fences armed so far on the shared Redis: each miss arms its entry's
