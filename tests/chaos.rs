@@ -16,7 +16,8 @@
 //! The other tests here freeze the shared Kafka while a consumer stops, and
 //! the shared Cassandra under one vote and under cache misses (one holding
 //! the slot another waits for, one whose fill is cut short or fenced off
-//! under a miss that joined it); they take turns (`SHARED_STACK`).
+//! under a miss that joined it, one in flight that a miss whose lookup
+//! failed must not join); they take turns (`SHARED_STACK`).
 
 #[path = "it/support/mod.rs"]
 mod support;
@@ -1033,6 +1034,63 @@ async fn a_fill_fenced_off_by_a_drop_is_not_handed_to_the_miss_that_joined_it() 
     );
 }
 
+/// A miss whose lookup failed does not join a fill in flight: it may come
+/// after that fill landed and a vote was counted on top, so it reads on its
+/// own. The lookup fails here as it does in production when a key of the
+/// page is not an entry (`WRONGTYPE` fails the page's one round trip); the
+/// page then drops that key and arms both. Cassandra is frozen so that the
+/// first fill is still in flight; the page's two misses each take a read
+/// slot of their own, where joining would have taken one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_whose_lookup_failed_reads_on_its_own_instead_of_joining() {
+    use tally::domain::Totals;
+
+    let _turn = SHARED_STACK.lock().await;
+    let env = TestEnv::new().await;
+    let rig = Misses::new(&env, tally::counts::MISS_READS).await;
+    let slots = rig.counts.idle_miss_reads();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{}:d:t-not-an-entry", env.redis.prefix))
+        .arg("written by something else")
+        .query_async(&mut rig.redis.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let frozen = Frozen::freeze("cassandra");
+    let first = rig.in_flight("t-in-flight").await;
+    let page = tokio::spawn({
+        let counts = rig.counts.clone();
+        let ids = [target("t-in-flight"), target("t-not-an-entry")];
+        async move { counts.get_many(&ids).await }
+    });
+    eventually(
+        "the page's two misses to read on their own",
+        Duration::from_secs(30),
+        || async { (rig.counts.idle_miss_reads() == slots - 3).then_some(()) },
+    )
+    .await;
+    drop(frozen);
+
+    assert_eq!(
+        answered(first, AFTER_THE_THAW, "the first miss after the thaw").await,
+        Totals::default()
+    );
+    let served = tokio::time::timeout(AFTER_THE_THAW, page)
+        .await
+        .unwrap_or_else(|_| panic!("the page was not answered after the thaw"))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(served, vec![Totals::default(); 2]);
+    for id in ["t-in-flight", "t-not-an-entry"] {
+        assert_eq!(
+            rig.entry(id).await,
+            Some(Totals::default()),
+            "{id} is not a filled entry"
+        );
+    }
+    assert_eq!(rig.counts.idle_miss_reads(), slots, "a slot was left taken");
+}
+
 /// A page's read of one target's totals, in a task of its own.
 type Miss = tokio::task::JoinHandle<Result<tally::domain::Totals, tally::store::StoreError>>;
 
@@ -1095,21 +1153,27 @@ impl Misses {
         tokio::spawn(async move { counts.get(&id).await })
     }
 
-    /// Two misses in turn: the first armed (its fill in flight, if it
-    /// leads one, is in the map before it takes a slot) and holding a slot,
-    /// then the second armed, so past its lookup, which found its entry
-    /// empty.
-    async fn one_behind_another(&self, first: &str, second: &str) -> (Miss, Miss) {
+    /// A miss armed (the fill it leads is in the map before it takes a
+    /// slot) and holding a slot.
+    async fn in_flight(&self, id: &str) -> Miss {
         let (arms, slots) = (self.arms().await, self.counts.idle_miss_reads());
-        let first = self.get(first);
+        let miss = self.get(id);
         eventually(
-            "the first miss to arm and take a slot",
+            "a miss to arm and take a slot",
             Duration::from_secs(30),
             || async {
                 (self.arms().await > arms && self.counts.idle_miss_reads() < slots).then_some(())
             },
         )
         .await;
+        miss
+    }
+
+    /// Two misses in turn: the first in flight (`in_flight`), then the
+    /// second armed, so past its lookup, which found its entry empty.
+    async fn one_behind_another(&self, first: &str, second: &str) -> (Miss, Miss) {
+        let arms = self.arms().await;
+        let first = self.in_flight(first).await;
         let second = self.get(second);
         eventually(
             "the second miss to arm",
