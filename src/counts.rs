@@ -214,16 +214,18 @@ impl Counts {
         target: &TargetId,
         fence: &Fence,
     ) -> Result<(Totals, bool), StoreError> {
-        let heads = match self.misses.try_acquire() {
-            Ok(_turn) => self.durable_heads(target).await?,
+        let turn = match self.misses.try_acquire() {
+            Ok(turn) => Some(turn),
             Err(_) => {
-                let _turn = self.misses.acquire().await;
+                let turn = self.misses.acquire().await.ok();
                 if let Some(served) = self.filled_meanwhile(target).await {
                     return Ok((served, false));
                 }
-                self.durable_heads(target).await?
+                turn
             }
         };
+        let heads = self.durable_heads(target).await?;
+        drop(turn);
         match self.cache.fill(target, fence, &heads).await {
             Ok(Some(served)) => Ok((served, true)),
             Ok(None) => {

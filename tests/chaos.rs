@@ -1075,11 +1075,7 @@ async fn a_miss_whose_lookup_failed_reads_on_its_own_instead_of_joining() {
         answered(first, AFTER_THE_THAW, "the first miss after the thaw").await,
         Totals::default()
     );
-    let served = tokio::time::timeout(AFTER_THE_THAW, page)
-        .await
-        .unwrap_or_else(|_| panic!("the page was not answered after the thaw"))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let served = answered(page, AFTER_THE_THAW, "the page after the thaw").await;
     assert_eq!(served, vec![Totals::default(); 2]);
     for id in ["t-in-flight", "t-not-an-entry"] {
         assert_eq!(
@@ -1099,7 +1095,11 @@ const AFTER_THE_THAW: Duration = Duration::from_secs(60);
 
 /// What `miss` served, within `within`; `what` names it if it failed or
 /// took longer.
-async fn answered(miss: Miss, within: Duration, what: &str) -> tally::domain::Totals {
+async fn answered<T>(
+    miss: tokio::task::JoinHandle<Result<T, tally::store::StoreError>>,
+    within: Duration,
+    what: &str,
+) -> T {
     tokio::time::timeout(within, miss)
         .await
         .unwrap_or_else(|_| panic!("{what}: not answered within {within:?}"))
