@@ -30,7 +30,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use report::{ConsumerRun, RateStep, Results, StoreRun};
-use support::{Op, StoreOps, Zipf, bench_env, env_num, histogram, percentiles, store_runs};
+use support::{
+    Op, StoreOps, Zipf, bench_env, env_num, histogram, percentiles, store_runs, warm_up,
+};
 use tally::domain::Reaction;
 
 fn main() {
@@ -142,26 +144,8 @@ async fn store_section(results: &mut Results) {
             false,
         ),
     ];
-    warm_up(&runs).await;
+    warm_up(&runs, "load_store_warm").await;
     results.store = store_runs(&stores, &runs, Duration::from_secs(secs), 3).await;
-    env.drop_all().await;
-}
-
-/// Every store run once, unmeasured, on a keyspace of its own: a Cassandra
-/// just started ran the bare LWT at half the rate it reached minutes later,
-/// and 2 s a run did not change that where 15 s did (BENCHMARKS.md, section
-/// 25), so without this the first section after `scripts/stack.sh up`
-/// measures a Cassandra still warming up.
-async fn warm_up(runs: &[(&str, Op, bool)]) {
-    let secs = env_num("TALLY_BENCH_WARM_SECS", 15);
-    if secs == 0 {
-        return;
-    }
-    eprintln!("store: warming up, {secs} s a run, unmeasured");
-    let env = bench_env("load_store_warm", 1).await;
-    let stores = StoreOps::open(&env).await;
-    let each = Duration::from_secs(secs);
-    let _ = store_runs(&stores, runs, each, 1).await;
     env.drop_all().await;
 }
 

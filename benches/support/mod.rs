@@ -552,6 +552,24 @@ pub fn rate_of(runs: &[StoreRun], op: Op) -> Option<f64> {
         .map(|r| r.ops_per_sec)
 }
 
+/// Every store run once, unmeasured, on a keyspace of its own (`name`): a
+/// Cassandra just started ran the bare LWT at half the rate it reached
+/// minutes later, and 2 s a run did not change that where 15 s did
+/// (BENCHMARKS.md, section 25), so without this the first ceilings after
+/// `scripts/stack.sh up` measure a Cassandra still warming up.
+/// `TALLY_BENCH_WARM_SECS` (15) is the length of each run, 0 for none.
+pub async fn warm_up(runs: &[(&str, Op, bool)], name: &str) {
+    let secs = env_num("TALLY_BENCH_WARM_SECS", 15);
+    if secs == 0 {
+        return;
+    }
+    eprintln!("store: warming up, {secs} s a run, unmeasured");
+    let env = bench_env(name, 1).await;
+    let stores = StoreOps::open(&env).await;
+    let _ = store_runs(&stores, runs, Duration::from_secs(secs), 1).await;
+    env.drop_all().await;
+}
+
 /// Each of `runs` (name, op, hot) for `secs` in all, in `rounds` turns of
 /// `secs / rounds`, each round in an order rotated by one: whatever the
 /// stores do in the background (compaction of what earlier runs wrote, say)
