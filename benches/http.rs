@@ -10,7 +10,9 @@
 //! shared cores differs several times over. Beside every throughput: the
 //! server's own CPU per request and the generator's, from /proc. In the same
 //! run, the ceilings: `/healthz`, a bare single-row LWT and the vote's store
-//! operation, with 64 in flight.
+//! operation, with 64 in flight, after every store run once unmeasured
+//! (TALLY_BENCH_WARM_SECS a run, 15; 0 for none): a Cassandra that has not
+//! warmed up yet halves the ceilings and flatters every ratio to them.
 //!
 //!   scripts/stack.sh up && cargo bench --bench http
 //!
