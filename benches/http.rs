@@ -131,14 +131,18 @@ struct Step {
     /// Connection attempts the machine's listeners dropped during the step
     /// (see `support::listen_drops`).
     listen_drops: u64,
+    /// The API's cache misses per request sent: on pages, how many of a
+    /// page's 21 ids were not in Redis.
+    cache_misses: f64,
 }
 
 /// CPU time of `tally vote`, of Cassandra, of the machine and of the
 /// generators at one moment, to subtract from a later one; and the
 /// connection attempts dropped so far.
 #[derive(Clone, Copy)]
-struct CpuMark {
-    pid: u32,
+struct CpuMark<'a> {
+    api: &'a Api,
+    cache_misses: u64,
     tally: u64,
     cassandra: u64,
     machine: u64,
@@ -158,13 +162,15 @@ struct CpuUsed {
     /// The children this process waited for since: vegeta's and wrk's.
     children: u64,
     listen_drops: u64,
+    cache_misses: u64,
 }
 
-impl CpuMark {
-    fn now(pid: u32) -> CpuMark {
+impl CpuMark<'_> {
+    fn now(api: &Api) -> CpuMark<'_> {
         CpuMark {
-            pid,
-            tally: cpu_micros(pid),
+            api,
+            cache_misses: api.cache_misses(),
+            tally: cpu_micros(api.pid()),
             cassandra: cassandra_cpu_micros(),
             machine: machine_cpu_micros(),
             own: cpu_micros(std::process::id()),
@@ -175,12 +181,13 @@ impl CpuMark {
 
     fn used(&self) -> CpuUsed {
         CpuUsed {
-            tally: cpu_micros(self.pid).saturating_sub(self.tally),
+            tally: cpu_micros(self.api.pid()).saturating_sub(self.tally),
             cassandra: cassandra_cpu_micros().saturating_sub(self.cassandra),
             machine: machine_cpu_micros().saturating_sub(self.machine),
             own: cpu_micros(std::process::id()).saturating_sub(self.own),
             children: waited_children_cpu_micros().saturating_sub(self.children),
             listen_drops: support::listen_drops().saturating_sub(self.listen_drops),
+            cache_misses: self.api.cache_misses().saturating_sub(self.cache_misses),
         }
     }
 }
@@ -995,6 +1002,8 @@ enum Admission {
 struct Api {
     child: Child,
     base: String,
+    /// Its operator endpoints (`/metrics`), host and port.
+    ops: String,
 }
 
 impl Api {
@@ -1086,7 +1095,11 @@ impl Api {
                 .send()
                 .await;
             if matches!(&ready, Ok(r) if r.status().is_success()) {
-                return Some(Api { child, base });
+                return Some(Api {
+                    child,
+                    base,
+                    ops: format!("127.0.0.1:{ops_port}"),
+                });
             }
             if let Ok(Some(status)) = child.try_wait() {
                 eprintln!("tally vote exited before it was ready ({status}); starting it again");
@@ -1099,6 +1112,26 @@ impl Api {
 
     fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The cache misses it has counted so far (`tally_cache_lookups_total`),
+    /// 0 if its metrics cannot be read: a page's ids that were not in Redis,
+    /// each read from Cassandra or joined to a read in flight.
+    fn cache_misses(&self) -> u64 {
+        use std::io::Read as _;
+        let Ok(mut conn) = std::net::TcpStream::connect(&self.ops) else {
+            return 0;
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let request = format!("GET /metrics HTTP/1.0\r\nHost: {}\r\n\r\n", self.ops);
+        let mut body = String::new();
+        if conn.write_all(request.as_bytes()).is_err() || conn.read_to_string(&mut body).is_err() {
+            return 0;
+        }
+        body.lines()
+            .find_map(|l| l.strip_prefix("tally_cache_lookups_total{result=\"miss\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
     }
 
     fn stop(&mut self) {
@@ -1243,7 +1276,7 @@ impl Vegeta {
                     .arg("-max-workers=20000");
             }
         }
-        let mark = CpuMark::now(api.pid());
+        let mark = CpuMark::now(api);
         let started = Instant::now();
         let status = cmd
             .stdout(Stdio::null())
@@ -1311,6 +1344,7 @@ impl Vegeta {
             generator_cpu_us: cpu.children as f64 / sent.max(1) as f64,
             generator_core: cpu.children as f64 / 1e6 / wall.max(1e-9),
             listen_drops: cpu.listen_drops,
+            cache_misses: cpu.cache_misses as f64 / sent.max(1) as f64,
         }
     }
 }
@@ -1425,7 +1459,7 @@ impl Wrk {
             .arg(&api.base)
             .env("WRK_TOKENS", tokens)
             .stderr(Stdio::inherit());
-        let mark = CpuMark::now(api.pid());
+        let mark = CpuMark::now(api);
         let out = cmd.output().unwrap_or_else(|e| panic!("wrk: {e}"));
         let cpu = mark.used();
         assert!(out.status.success(), "wrk failed");
@@ -1466,6 +1500,7 @@ impl Wrk {
             generator_cpu_us: cpu.children as f64 / sent.max(1.0),
             generator_core: cpu.children as f64 / 1e6 / seconds.max(1e-9),
             listen_drops: cpu.listen_drops,
+            cache_misses: cpu.cache_misses as f64 / sent.max(1.0),
         }
     }
 }
@@ -1527,7 +1562,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         .unwrap_or_else(|e| panic!("{e}"));
     let tokens = Arc::new(tokens.to_vec());
     let deadline = Instant::now() + Duration::from_secs(secs);
-    let mark = CpuMark::now(api.pid());
+    let mark = CpuMark::now(api);
     let mut tasks = Vec::new();
     for w in 0..64u64 {
         let (client, tokens, base) = (client.clone(), tokens.clone(), api.base.clone());
@@ -1590,6 +1625,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         generator_cpu_us: cpu.own as f64 / sent.max(1) as f64,
         generator_core: cpu.own as f64 / 1e6 / secs as f64,
         listen_drops: cpu.listen_drops,
+        cache_misses: cpu.cache_misses as f64 / sent.max(1) as f64,
     }
 }
 
@@ -1716,16 +1752,16 @@ fn report(r: &Results) {
 fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
     let _ = writeln!(
         md,
-        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | dropped connection attempts | tally CPU/request | generator CPU/request | generator's core busy |"
+        "| {name}: offered/s | sent | goodput/s | ok p50 ms | ok p99 ms | 503s | 503 p50 ms | 503 p99 ms | other errors | dropped connection attempts | tally CPU/request | generator CPU/request | generator's core busy | cache misses/request |"
     );
     let _ = writeln!(
         md,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for s in steps {
         let _ = writeln!(
             md,
-            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs | {:.0}%{} |",
+            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs | {:.0}%{} | {:.2} |",
             s.offered.unwrap_or_default(),
             s.sent,
             s.goodput,
@@ -1739,7 +1775,8 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
             s.server_cpu_us,
             s.generator_cpu_us,
             s.generator_core * 100.0,
-            if saturated(s) { " (saturated)" } else { "" }
+            if saturated(s) { " (saturated)" } else { "" },
+            s.cache_misses
         );
     }
 }
