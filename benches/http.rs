@@ -8,7 +8,8 @@
 //! lightest generator (C, one thread), and the votes' once more from this
 //! process (reqwest), the in-repo way: three generators whose own CPU on the
 //! shared cores differs several times over. Beside every throughput: the
-//! server's own CPU per request and the generator's, from /proc. In the same
+//! server's own CPU per request and the generator's, from /proc, and the
+//! API's cache misses per request, from its metrics. In the same
 //! run, the ceilings: `/healthz`, a bare single-row LWT and the vote's store
 //! operation, with 64 in flight, after every store run once unmeasured
 //! (TALLY_BENCH_WARM_SECS a run, 15; 0 for none): a Cassandra that has not
