@@ -133,8 +133,10 @@ struct Step {
     /// (see `support::listen_drops`).
     listen_drops: u64,
     /// The API's cache misses per request sent: on pages, how many of a
-    /// page's 21 ids were not in Redis.
-    cache_misses: f64,
+    /// page's 21 ids were not in Redis. `None` if its metrics could not be
+    /// read. Two loops at once (the flood mode) each count the other's, as
+    /// their CPU does.
+    cache_misses: Option<f64>,
 }
 
 /// CPU time of `tally vote`, of Cassandra, of the machine and of the
@@ -143,7 +145,7 @@ struct Step {
 #[derive(Clone, Copy)]
 struct CpuMark<'a> {
     api: &'a Api,
-    cache_misses: u64,
+    cache_misses: Option<u64>,
     tally: u64,
     cassandra: u64,
     machine: u64,
@@ -163,11 +165,14 @@ struct CpuUsed {
     /// The children this process waited for since: vegeta's and wrk's.
     children: u64,
     listen_drops: u64,
-    cache_misses: u64,
+    cache_misses: Option<u64>,
 }
 
 impl CpuMark<'_> {
     fn now(api: &Api) -> CpuMark<'_> {
+        // The fields are read in the order written: the scrape of the
+        // metrics before the CPU marks here, and after them in `used`, so
+        // that its own CPU stays out of the step's.
         CpuMark {
             api,
             cache_misses: api.cache_misses(),
@@ -188,7 +193,11 @@ impl CpuMark<'_> {
             own: cpu_micros(std::process::id()).saturating_sub(self.own),
             children: waited_children_cpu_micros().saturating_sub(self.children),
             listen_drops: support::listen_drops().saturating_sub(self.listen_drops),
-            cache_misses: self.api.cache_misses().saturating_sub(self.cache_misses),
+            cache_misses: self
+                .api
+                .cache_misses()
+                .zip(self.cache_misses)
+                .map(|(after, before)| after.saturating_sub(before)),
         }
     }
 }
@@ -1115,24 +1124,28 @@ impl Api {
         self.child.id()
     }
 
-    /// The cache misses it has counted so far (`tally_cache_lookups_total`),
-    /// 0 if its metrics cannot be read: a page's ids that were not in Redis,
-    /// each read from Cassandra or joined to a read in flight.
-    fn cache_misses(&self) -> u64 {
+    /// The cache misses it has counted so far (`tally_cache_lookups_total`):
+    /// a page's ids that were not in Redis, each read from Cassandra or
+    /// joined to a read in flight. 0 before its first lookup, when the
+    /// counter is not exported yet; `None` if its metrics cannot be read.
+    fn cache_misses(&self) -> Option<u64> {
         use std::io::Read as _;
-        let Ok(mut conn) = std::net::TcpStream::connect(&self.ops) else {
-            return 0;
-        };
-        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let wait = Duration::from_secs(5);
+        let addr = self.ops.parse().ok()?;
+        let mut conn = std::net::TcpStream::connect_timeout(&addr, wait).ok()?;
+        conn.set_read_timeout(Some(wait)).ok()?;
+        conn.set_write_timeout(Some(wait)).ok()?;
         let request = format!("GET /metrics HTTP/1.0\r\nHost: {}\r\n\r\n", self.ops);
+        conn.write_all(request.as_bytes()).ok()?;
         let mut body = String::new();
-        if conn.write_all(request.as_bytes()).is_err() || conn.read_to_string(&mut body).is_err() {
-            return 0;
+        conn.read_to_string(&mut body).ok()?;
+        let missed = body
+            .lines()
+            .find_map(|l| l.strip_prefix("tally_cache_lookups_total{result=\"miss\"} "));
+        match missed {
+            Some(v) => v.trim().parse::<f64>().ok().map(|v| v as u64),
+            None => Some(0),
         }
-        body.lines()
-            .find_map(|l| l.strip_prefix("tally_cache_lookups_total{result=\"miss\"} "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .map_or(0, |v| v as u64)
     }
 
     fn stop(&mut self) {
@@ -1345,7 +1358,7 @@ impl Vegeta {
             generator_cpu_us: cpu.children as f64 / sent.max(1) as f64,
             generator_core: cpu.children as f64 / 1e6 / wall.max(1e-9),
             listen_drops: cpu.listen_drops,
-            cache_misses: cpu.cache_misses as f64 / sent.max(1) as f64,
+            cache_misses: cpu.cache_misses.map(|m| m as f64 / sent.max(1) as f64),
         }
     }
 }
@@ -1501,7 +1514,7 @@ impl Wrk {
             generator_cpu_us: cpu.children as f64 / sent.max(1.0),
             generator_core: cpu.children as f64 / 1e6 / seconds.max(1e-9),
             listen_drops: cpu.listen_drops,
-            cache_misses: cpu.cache_misses as f64 / sent.max(1.0),
+            cache_misses: cpu.cache_misses.map(|m| m as f64 / sent.max(1.0)),
         }
     }
 }
@@ -1626,7 +1639,7 @@ async fn in_process_votes(api: &Api, tokens: &[String], secs: u64) -> Step {
         generator_cpu_us: cpu.own as f64 / sent.max(1) as f64,
         generator_core: cpu.own as f64 / 1e6 / secs as f64,
         listen_drops: cpu.listen_drops,
-        cache_misses: cpu.cache_misses as f64 / sent.max(1) as f64,
+        cache_misses: cpu.cache_misses.map(|m| m as f64 / sent.max(1) as f64),
     }
 }
 
@@ -1762,7 +1775,7 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
     for s in steps {
         let _ = writeln!(
             md,
-            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs | {:.0}%{} | {:.2} |",
+            "| {:.0} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {} | {:.0} µs | {:.0} µs | {:.0}%{} | {} |",
             s.offered.unwrap_or_default(),
             s.sent,
             s.goodput,
@@ -1778,6 +1791,7 @@ fn steps_table(md: &mut String, name: &str, steps: &[Step]) {
             s.generator_core * 100.0,
             if saturated(s) { " (saturated)" } else { "" },
             s.cache_misses
+                .map_or_else(|| "unread".to_string(), |m| format!("{m:.2}"))
         );
     }
 }
