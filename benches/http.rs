@@ -1139,13 +1139,8 @@ impl Api {
         conn.write_all(request.as_bytes()).ok()?;
         let mut body = String::new();
         conn.read_to_string(&mut body).ok()?;
-        let missed = body
-            .lines()
-            .find_map(|l| l.strip_prefix("tally_cache_lookups_total{result=\"miss\"} "));
-        match missed {
-            Some(v) => v.trim().parse::<f64>().ok().map(|v| v as u64),
-            None => Some(0),
-        }
+        let metrics = tally::cli::Metrics::parse(&body);
+        Some(metrics.sum(tally::metrics::CACHE_LOOKUPS, &[("result", "miss")]) as u64)
     }
 
     fn stop(&mut self) {

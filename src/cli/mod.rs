@@ -4,6 +4,9 @@ mod reconcile;
 mod status;
 pub mod values;
 
+/// A read of a service's `/metrics`, for the benches as for `tally status`.
+pub use status::Metrics;
+
 use std::process::ExitCode;
 use std::time::Duration;
 
